@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up and runs the test suite (the README's test command). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec ${PYTHON:-python3} -m pytest -q "$@"

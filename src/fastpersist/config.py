@@ -1,0 +1,130 @@
+"""Tuning knobs of the I/O engine, and the one place where environment variables are read.
+
+Every knob has a default measured on the project's reference machine (see docs/DESIGN.md) and an
+environment variable that overrides it::
+
+    FASTPERSIST_CHUNK_MB      size of one staging buffer and of one write request (MiB)
+    FASTPERSIST_BUFFERS       staging buffers in the pool (pool = BUFFERS x CHUNK_MB)
+    FASTPERSIST_WRITERS       write requests in flight (writer threads)
+    FASTPERSIST_READERS       read requests in flight (reader threads)
+    FASTPERSIST_READ_CHUNK_MB size of one read request (MiB)
+    FASTPERSIST_DIRECT        auto | on | off   (O_DIRECT; auto falls back to buffered I/O)
+    FASTPERSIST_VERIFY        1 | 0             (verify checksums on load by default)
+
+:func:`configure` changes the process-wide defaults and doubles as a context manager that
+restores the previous ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fastpersist.errors import CheckpointError
+
+MiB = 1 << 20
+
+_DIRECT_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """Settings of the write and read engine.
+
+    ``direct``: ``"auto"`` uses O_DIRECT where the filesystem accepts it and falls back to
+    buffered I/O (logged once) where it does not; ``"on"`` makes a refusal an error; ``"off"``
+    never uses O_DIRECT.
+    """
+
+    chunk_bytes: int = 32 * MiB
+    num_buffers: int = 4
+    writer_threads: int = 2
+    reader_threads: int = 4
+    read_chunk_bytes: int = 16 * MiB
+    direct: str = "auto"
+    verify: bool = True
+    # A CPU storage whose memory is aligned for O_DIRECT is written straight from its memory,
+    # without a copy through the pool, when it is at least this large.
+    zero_copy_min_bytes: int = 1 * MiB
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
+            raise CheckpointError(
+                f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes}"
+            )
+        if self.read_chunk_bytes <= 0 or self.read_chunk_bytes % 4096:
+            raise CheckpointError(
+                f"read_chunk_bytes must be a positive multiple of 4096, got {self.read_chunk_bytes}"
+            )
+        for name in ("num_buffers", "writer_threads", "reader_threads"):
+            if getattr(self, name) < 1:
+                raise CheckpointError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.direct not in _DIRECT_MODES:
+            raise CheckpointError(f"direct must be one of {_DIRECT_MODES}, got {self.direct!r}")
+
+    @property
+    def pool_bytes(self) -> int:
+        """Host memory the staging pool may hold."""
+        return self.chunk_bytes * self.num_buffers
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
+    ints = {
+        "FASTPERSIST_CHUNK_MB": ("chunk_bytes", MiB),
+        "FASTPERSIST_BUFFERS": ("num_buffers", 1),
+        "FASTPERSIST_WRITERS": ("writer_threads", 1),
+        "FASTPERSIST_READERS": ("reader_threads", 1),
+        "FASTPERSIST_READ_CHUNK_MB": ("read_chunk_bytes", MiB),
+    }
+    out: dict[str, object] = {}
+    for var, (field, scale) in ints.items():
+        if var in env:
+            try:
+                out[field] = int(env[var]) * scale
+            except ValueError:
+                raise CheckpointError(f"{var} must be an integer, got {env[var]!r}") from None
+    if "FASTPERSIST_DIRECT" in env:
+        out["direct"] = env["FASTPERSIST_DIRECT"].strip().lower()
+    if "FASTPERSIST_VERIFY" in env:
+        out["verify"] = env["FASTPERSIST_VERIFY"].strip().lower() not in ("0", "false", "no", "off")
+    return out
+
+
+def config_from_env(env: Mapping[str, str] | None = None) -> IOConfig:
+    """The default configuration with the environment's overrides applied."""
+    return IOConfig(**_env_overrides(os.environ if env is None else env))  # type: ignore[arg-type]
+
+
+_current: IOConfig | None = None
+
+
+def get_config() -> IOConfig:
+    """The process-wide configuration (environment read once, on first use)."""
+    global _current
+    if _current is None:
+        _current = config_from_env()
+    return _current
+
+
+class _Configured:
+    """Returned by :func:`configure`: already applied; as a context manager it restores."""
+
+    def __init__(self, previous: IOConfig) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> IOConfig:
+        return get_config()
+
+    def __exit__(self, *exc: object) -> None:
+        global _current
+        _current = self._previous
+
+
+def configure(**changes: object) -> _Configured:
+    """Change the process-wide defaults; ``with configure(...):`` restores them on exit."""
+    global _current
+    previous = get_config()
+    _current = dataclasses.replace(previous, **changes)  # type: ignore[arg-type]
+    return _Configured(previous)

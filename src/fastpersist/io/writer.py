@@ -1,0 +1,325 @@
+"""The pipelined O_DIRECT writer: the first of fastpersist's three techniques.
+
+A file is described as an ordered list of :class:`Piece` objects, each a byte range of the file
+and where its bytes live (a small ``bytes`` object, or a uint8 tensor on any device). The writer
+turns the list into write requests:
+
+* a CPU tensor whose memory is O_DIRECT-aligned and whose file offset is aligned is written
+  straight from its memory (no copy), its unaligned tail through the pool;
+* everything else is copied into page-aligned staging buffers of ``chunk_bytes`` from a fixed
+  pool; while buffer k is being written by a writer thread, the caller fills buffer k+1;
+* the last partial page of the range goes through the buffered descriptor, after every direct
+  request has completed, so no page is written both ways at once.
+
+Pieces with a ``tag`` are hashed (xxh3-64) in file order while they pass through, and
+:func:`write_pieces` returns the digests. Copies use ``ctypes.memmove`` and hashing uses xxhash,
+both of which release the GIL; the training thread keeps running while the writer works.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import queue
+import threading
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from fastpersist.config import IOConfig
+from fastpersist.errors import CheckpointWriteError
+from fastpersist.io.buffers import ALIGN, BufferPool, StagingBuffer, align_down, memory_view
+from fastpersist.io.files import DirectFile, pwrite_all
+
+# Copy and hash in steps of this size so the hash reads bytes the copy left in the cache.
+_STEP = 1 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``nbytes`` bytes of the file at ``offset``, taken from ``data`` or ``tensor``.
+
+    ``tensor`` must be a contiguous 1-D uint8 tensor of exactly ``nbytes`` (a byte view of a
+    storage); the caller keeps it unchanged until the write completes.
+    """
+
+    offset: int
+    nbytes: int
+    data: bytes | None = None
+    tensor: torch.Tensor | None = None
+    tag: Hashable | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class _Segment:
+    piece: Piece
+    start: int  # offset inside the piece
+    nbytes: int
+
+
+class _Pieces:
+    """Sorted pieces with lookup of the segments that cover a file range."""
+
+    def __init__(self, pieces: Sequence[Piece]) -> None:
+        self.pieces = sorted((p for p in pieces if p.nbytes > 0), key=lambda p: p.offset)
+        for a, b in zip(self.pieces, self.pieces[1:]):
+            if b.offset < a.end:
+                raise ValueError(f"pieces overlap at offsets {a.offset} and {b.offset}")
+        self._ends = [p.end for p in self.pieces]
+
+    def segments(self, start: int, end: int) -> Iterator[_Segment]:
+        i = bisect.bisect_right(self._ends, start)
+        while i < len(self.pieces) and self.pieces[i].offset < end:
+            p = self.pieces[i]
+            s = max(start, p.offset)
+            e = min(end, p.end)
+            yield _Segment(p, s - p.offset, e - s)
+            i += 1
+
+
+def _cpu_address(piece: Piece) -> int | None:
+    t = piece.tensor
+    if t is None or t.device.type != "cpu":
+        return None
+    return int(t.data_ptr())
+
+
+class _Hashers:
+    def __init__(self) -> None:
+        self._h: dict[Hashable, xxhash.xxh3_64] = {}
+
+    def update(self, tag: Hashable | None, view: memoryview) -> None:
+        if tag is None:
+            return
+        h = self._h.get(tag)
+        if h is None:
+            h = self._h[tag] = xxhash.xxh3_64()
+        h.update(view)
+
+    def digests(self, pieces: Sequence[Piece]) -> dict[Hashable, int]:
+        out = {}
+        for p in pieces:
+            if p.tag is not None:
+                h = self._h.get(p.tag)
+                out[p.tag] = h.intdigest() if h is not None else xxhash.xxh3_64_intdigest(b"")
+        return out
+
+
+def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers: _Hashers) -> None:
+    """Copy one segment into a staging buffer at ``dst`` and hash it."""
+    p = seg.piece
+    if p.data is not None:
+        buf_view[dst : dst + seg.nbytes] = memoryview(p.data)[seg.start : seg.start + seg.nbytes]
+        hashers.update(p.tag, buf_view[dst : dst + seg.nbytes])
+        return
+    if p.tensor is None:
+        raise ValueError(f"piece at offset {p.offset} has neither data nor tensor")
+    src_addr = _cpu_address(p)
+    done = 0
+    while done < seg.nbytes:
+        n = min(_STEP, seg.nbytes - done)
+        d = dst + done
+        if src_addr is not None:
+            ctypes.memmove(buf_addr + d, src_addr + seg.start + done, n)
+        else:  # device memory: device-to-host copy into the (pinned) staging buffer
+            staging = torch.frombuffer(buf_view[d : d + n], dtype=torch.uint8)
+            staging.copy_(p.tensor[seg.start + done : seg.start + done + n])
+        hashers.update(p.tag, buf_view[d : d + n])
+        done += n
+
+
+class _WriterThreads:
+    """Writer threads taking (view, offset, buffer) requests; the first error stops them all."""
+
+    def __init__(self, file: DirectFile, pool: BufferPool, count: int) -> None:
+        self.file = file
+        self.pool = pool
+        self.error: BaseException | None = None
+        self._q: queue.Queue[tuple[memoryview, int, StagingBuffer | None] | None] = queue.Queue(
+            maxsize=max(2, pool.count)
+        )
+        self._threads = [
+            threading.Thread(target=self._run, name=f"fastpersist-writer-{i}", daemon=True)
+            for i in range(count)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, view: memoryview, offset: int, buf: StagingBuffer | None) -> None:
+        if self.error is not None:
+            if buf is not None:
+                self.pool.release(buf)
+            return
+        self._q.put((view, offset, buf))
+
+    def _write(self, view: memoryview, offset: int) -> None:
+        f = self.file
+        if f.is_direct:
+            try:
+                pwrite_all(f.direct_fd, view, offset)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                f.refuse_direct("O_DIRECT write: EINVAL")
+        pwrite_all(f.fd, view, offset)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            view, offset, buf = item
+            try:
+                if self.error is None:
+                    self._write(view, offset)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller in join()
+                if self.error is None:
+                    self.error = _write_error(self.file.path, offset, len(view), e)
+            finally:
+                if buf is not None:
+                    self.pool.release(buf)
+
+    def join(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _write_error(path: str, offset: int, nbytes: int, cause: BaseException) -> CheckpointWriteError:
+    if isinstance(cause, CheckpointWriteError):
+        return cause
+    what = cause.strerror if isinstance(cause, OSError) and cause.strerror else repr(cause)
+    hint = ""
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        hint = " (no space left on the device: free space or write elsewhere)"
+    err = CheckpointWriteError(
+        f"writing {path} failed at offset {offset} ({nbytes} bytes): {what}{hint}"
+    )
+    err.__cause__ = cause
+    return err
+
+
+def _zero_copy_ok(piece: Piece, file: DirectFile, config: IOConfig) -> bool:
+    addr = _cpu_address(piece)
+    return (
+        addr is not None
+        and piece.nbytes >= max(config.zero_copy_min_bytes, ALIGN)
+        and (addr % ALIGN == 0 or not file.is_direct)
+        and (piece.offset % ALIGN == 0 or not file.is_direct)
+    )
+
+
+def write_pieces(
+    file: DirectFile, pieces: Sequence[Piece], config: IOConfig, pool: BufferPool
+) -> dict[Hashable, int]:
+    """Write ``pieces`` (which must not overlap) into ``file``; return the tagged digests.
+
+    Gaps between pieces are written as zeros inside staged chunks. The file is not fsync'd:
+    that is the caller's step, once everything it wants durable is written.
+    """
+    index = _Pieces(pieces)
+    if not index.pieces:
+        return {}
+    end = index.pieces[-1].end
+    direct_end = align_down(end) if file.is_direct else end
+    hashers = _Hashers()
+    writers = _WriterThreads(file, pool, config.writer_threads)
+    try:
+        staged_from = 0
+        for p in index.pieces:
+            if p.offset >= direct_end or not _zero_copy_ok(p, file, config):
+                continue
+            middle_end = min(p.offset + (align_down(p.nbytes) if file.is_direct else p.nbytes), direct_end)
+            _staged(writers, index, staged_from, p.offset, config, pool, hashers)
+            _direct(writers, p, middle_end - p.offset, config, hashers)
+            staged_from = middle_end
+        _staged(writers, index, staged_from, direct_end, config, pool, hashers)
+    except BaseException:
+        writers.error = writers.error or CheckpointWriteError(f"writing {file.path} was interrupted")
+        try:
+            writers.join()
+        except CheckpointWriteError:
+            pass
+        raise
+    writers.join()
+    if direct_end < end:
+        _buffered_tail(file, index, direct_end, end, hashers)
+    return hashers.digests(index.pieces)
+
+
+def _staged(
+    writers: _WriterThreads,
+    index: _Pieces,
+    start: int,
+    end: int,
+    config: IOConfig,
+    pool: BufferPool,
+    hashers: _Hashers,
+) -> None:
+    """Copy [start, end) through the pool in chunk-sized requests."""
+    pos = start
+    while pos < end:
+        if writers.error is not None:
+            raise writers.error
+        n = min(config.chunk_bytes, end - pos)
+        buf = pool.acquire()
+        try:
+            filled = 0
+            for seg in index.segments(pos, pos + n):
+                dst = seg.piece.offset + seg.start - pos
+                if dst > filled:
+                    ctypes.memset(buf.addr + filled, 0, dst - filled)
+                _fill(buf.addr, buf.view, seg, dst, hashers)
+                filled = dst + seg.nbytes
+            if filled < n:
+                ctypes.memset(buf.addr + filled, 0, n - filled)
+        except BaseException:
+            pool.release(buf)
+            raise
+        writers.submit(buf.view[:n], pos, buf)
+        pos += n
+
+
+def _direct(
+    writers: _WriterThreads, piece: Piece, nbytes: int, config: IOConfig, hashers: _Hashers
+) -> None:
+    """Write the first ``nbytes`` of ``piece`` straight from its memory (no copy)."""
+    addr = _cpu_address(piece)
+    if addr is None:
+        raise ValueError("zero-copy writes need a CPU tensor")
+    view = memory_view(addr, nbytes)
+    pos = 0
+    while pos < nbytes:
+        if writers.error is not None:
+            raise writers.error
+        n = min(config.chunk_bytes, nbytes - pos)
+        hashers.update(piece.tag, view[pos : pos + n])
+        writers.submit(view[pos : pos + n], piece.offset + pos, None)
+        pos += n
+
+
+def _buffered_tail(
+    file: DirectFile, index: _Pieces, start: int, end: int, hashers: _Hashers
+) -> None:
+    """The last partial page, written through the page cache after every direct request."""
+    tail = bytearray(end - start)
+    view = memoryview(tail)
+    holder = torch.frombuffer(tail, dtype=torch.uint8) if tail else None
+    addr = holder.data_ptr() if holder is not None else 0
+    for seg in index.segments(start, end):
+        _fill(addr, view, seg, seg.piece.offset + seg.start - start, hashers)
+    try:
+        pwrite_all(file.fd, view, start)
+    except OSError as e:
+        raise _write_error(file.path, start, len(tail), e) from e

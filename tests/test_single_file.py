@@ -1,0 +1,337 @@
+"""fastpersist.save / fastpersist.load: round trips, torch compatibility, bad input."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist.config import IOConfig
+from fastpersist.format import torchzip
+
+from conftest import open_fds, supports_direct
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _decoy(obj: object) -> object:
+    """An object of the same structure with different tensor contents."""
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() == 0:
+            return torch.ones(1)
+        return torch.full_like(obj, 1) if obj.dtype == torch.bool and not obj.all() else (
+            torch.zeros_like(obj) if obj.dtype == torch.bool else obj + 1
+        )
+    if isinstance(obj, dict):
+        return {k: _decoy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_decoy(v) for v in obj)
+    return ("decoy", obj)
+
+
+def roundtrip(obj: object, path: str, config: IOConfig | None = None) -> object:
+    """Save a decoy first, check it differs, then save ``obj`` over it and load it back."""
+    fp.save(_decoy(obj), path, config=config)
+    assert not _equal(fp.load(path, config=config), obj), "the decoy must differ from the source"
+    fp.save(obj, path, config=config)
+    return fp.load(path, config=config)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.complex64, torch.uint8,
+          torch.float64, torch.int64]
+
+
+def _tensor(dtype: torch.dtype, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(n, dtype=dtype, generator=g)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(-100 if dtype.is_signed else 0, 100, (n,), generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_roundtrip_dtypes(tmp_path, small_io, dtype):
+    obj = {"t": _tensor(dtype, 1000), "scalar": _tensor(dtype, 1).reshape(()), "empty": _tensor(dtype, 0)}
+    assert _equal(roundtrip(obj, str(tmp_path / "x.pt"), small_io), obj)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 65536 * 2 + 3, 700_001])
+def test_roundtrip_sizes(tmp_path, small_io, nbytes):
+    """Sizes around the 4 KiB block and larger than the 128 KiB staging pool of small_io."""
+    assert small_io.pool_bytes < 700_001
+    obj = {"t": _tensor(torch.uint8, nbytes), "after": _tensor(torch.float32, 3)}
+    assert _equal(roundtrip(obj, str(tmp_path / "x.pt"), small_io), obj)
+
+
+def test_roundtrip_views_and_shared_storages(tmp_path, small_io):
+    base = torch.randn(64, 48)
+    obj = {
+        "base": base,
+        "row": base[3],
+        "transposed": base.t(),
+        "strided": base[::3, 1::2],
+        "tail_view": base.view(-1)[1000:],
+        "other": torch.arange(10),
+    }
+    out = roundtrip(obj, str(tmp_path / "x.pt"), small_io)
+    assert _equal(out, obj)
+    ptr = out["base"].untyped_storage().data_ptr()
+    for k in ("row", "transposed", "strided", "tail_view"):
+        assert out[k].untyped_storage().data_ptr() == ptr, f"{k} must share the base storage"
+    out["base"][3, 0] = 1234.0
+    assert out["row"][0] == 1234.0, "views must stay views of one storage"
+
+
+def test_tied_module_weights(tmp_path, small_io):
+    emb = torch.nn.Embedding(50, 16)
+    head = torch.nn.Linear(16, 50, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head)
+    sd = model.state_dict(keep_vars=False)
+    out = roundtrip(sd, str(tmp_path / "m.pt"), small_io)
+    assert _equal(out, sd)
+    assert out["0.weight"].data_ptr() == out["1.weight"].data_ptr()
+
+
+def test_nested_containers_and_python_values(tmp_path, small_io):
+    obj = {
+        "list": [torch.ones(2), {"deep": (torch.zeros(3, dtype=torch.int8), 5)}],
+        "tuple": (1, 2.5, "x", None, True),
+        "empty_dict": {},
+        "empty_list": [],
+        "step": 17,
+    }
+    assert _equal(roundtrip(obj, str(tmp_path / "x.pt"), small_io), obj)
+
+
+def test_torch_load_reads_fastpersist_files(tmp_path, small_io):
+    obj = {"a": torch.randn(1000, 7), "v": torch.randn(1000, 7)[:, 2], "i": torch.arange(5), "s": "text"}
+    path = str(tmp_path / "x.pt")
+    fp.save(obj, path, config=small_io)
+    out = torch.load(path, weights_only=True)
+    assert _equal(out, obj)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        records = torchzip.read_directory(path, fd, os.path.getsize(path))
+    finally:
+        os.close(fd)
+    assert sum(r.name.startswith("data/") for r in records.values()) == 3
+    for r in records.values():
+        if r.name.startswith("data/"):
+            assert r.offset % 4096 == 0, f"{r.name} must start on a 4 KiB boundary"
+
+
+def test_fastpersist_loads_torch_save_files(tmp_path, small_io):
+    obj = {"a": torch.randn(333, 5), "b": torch.arange(7, dtype=torch.int16)}
+    path = str(tmp_path / "t.pt")
+    torch.save(obj, path)
+    assert _equal(fp.load(path, config=small_io), obj)
+
+
+def test_map_location(tmp_path, small_io):
+    path = str(tmp_path / "x.pt")
+    fp.save({"a": torch.ones(3)}, path, config=small_io)
+    out = fp.load(path, map_location="meta", config=small_io)
+    assert out["a"].device.type == "meta"
+    out = fp.load(path, map_location=lambda s, loc: s, config=small_io)
+    assert torch.equal(out["a"], torch.ones(3))
+
+
+def test_zero_copy_write_from_aligned_memory(tmp_path, small_io):
+    """Storages loaded by fastpersist are page-aligned; saving them again skips the pool."""
+    path = str(tmp_path / "x.pt")
+    fp.save({"w": torch.randn(100_000)}, path, config=small_io)
+    loaded = fp.load(path, config=small_io)
+    assert loaded["w"].data_ptr() % 4096 == 0
+    out = roundtrip(loaded, str(tmp_path / "y.pt"), small_io)
+    assert _equal(out, loaded)
+
+
+def test_refused_direct_io_falls_back_to_buffered(no_direct_fs, small_io, caplog):
+    path = os.path.join(no_direct_fs, "x.pt")
+    obj = {"a": torch.randn(50_000), "b": torch.arange(3)}
+    with caplog.at_level("WARNING", logger="fastpersist"):
+        assert _equal(roundtrip(obj, path, small_io), obj)
+    assert "O_DIRECT is not available" in caplog.text
+    strict = IOConfig(**{**small_io.__dict__, "direct": "on"})
+    with pytest.raises(fp.CheckpointWriteError, match="x.pt"):
+        fp.save(obj, path, config=strict)
+    assert _equal(fp.load(path, config=small_io), obj)
+
+
+def test_tmpfs(small_io):
+    path = os.path.join("/dev/shm", f"fastpersist-test-{os.getpid()}.pt")
+    try:
+        obj = {"a": torch.randn(50_000), "b": torch.arange(3)}
+        assert _equal(roundtrip(obj, path, small_io), obj)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_direct_off(tmp_path, small_io):
+    cfg = IOConfig(**{**small_io.__dict__, "direct": "off"})
+    obj = {"a": torch.randn(50_000)}
+    assert _equal(roundtrip(obj, str(tmp_path / "x.pt"), cfg), obj)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(fp.CheckpointNotFoundError, match="nope.pt"):
+        fp.load(str(tmp_path / "nope.pt"))
+
+
+def test_not_a_zip(tmp_path):
+    path = tmp_path / "junk.pt"
+    path.write_bytes(b"this is not a checkpoint" * 100)
+    with pytest.raises(fp.CorruptCheckpointError, match="junk.pt"):
+        fp.load(str(path))
+
+
+def test_zip_without_pickle(tmp_path):
+    path = tmp_path / "other.zip"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("hello.txt", "hi")
+    with pytest.raises(fp.CorruptCheckpointError, match="no data.pkl"):
+        fp.load(str(path))
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.9, 0.999])
+def test_truncated_file(tmp_path, small_io, keep):
+    path = str(tmp_path / "x.pt")
+    fp.save({"a": torch.randn(200_000), "b": torch.randn(10)}, path, config=small_io)
+    size = os.path.getsize(path)
+    os.truncate(path, int(size * keep))
+    with pytest.raises(fp.CorruptCheckpointError, match="x.pt"):
+        fp.load(path, config=small_io)
+
+
+def test_flipped_byte_names_the_record(tmp_path, small_io):
+    path = str(tmp_path / "x.pt")
+    fp.save({"a": torch.randn(10), "b": torch.randn(100_000)}, path, config=small_io)
+    fd = os.open(path, os.O_RDONLY)
+    rec = torchzip.read_directory(path, fd, os.path.getsize(path))
+    os.close(fd)
+    big = max((r for r in rec.values() if r.name.startswith("data/")), key=lambda r: r.nbytes)
+    with open(path, "r+b") as f:
+        f.seek(big.offset + 12345)
+        b = f.read(1)
+        f.seek(big.offset + 12345)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(fp.ChecksumMismatchError, match=rf"x\.pt.*{big.name}"):
+        fp.load(path, config=small_io)
+    out = fp.load(path, verify=False, config=small_io)  # explicit opt-out reads it anyway
+    assert out["b"].shape == (100_000,)
+
+
+def test_flipped_byte_in_pickle(tmp_path, small_io):
+    path = str(tmp_path / "x.pt")
+    fp.save({"a": torch.randn(10), "name": "abcdefgh"}, path, config=small_io)
+    data = bytearray(open(path, "rb").read())
+    i = data.index(b"abcdefgh")
+    data[i] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(fp.ChecksumMismatchError, match="data.pkl"):
+        fp.load(path, config=small_io)
+
+
+def test_newer_format_version(tmp_path, small_io):
+    path = str(tmp_path / "x.pt")
+    fp.save({"a": torch.randn(10)}, path, config=small_io)
+    data = bytearray(open(path, "rb").read())
+    i = data.index(b'"version":1')
+    data[i : i + 11] = b'"version":9'
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(fp.UnsupportedFormatError, match="version 9"):
+        fp.load(path, config=small_io)
+
+
+def test_weights_only_refuses_code(tmp_path, small_io):
+    path = str(tmp_path / "x.pt")
+    fp.save({"obj": _Custom(3)}, path, config=small_io)
+    with pytest.raises(fp.CheckpointReadError, match="weights_only=False"):
+        fp.load(path, config=small_io)
+    assert fp.load(path, weights_only=False, config=small_io)["obj"].v == 3
+
+
+class _Custom:
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+
+def test_unsaveable_object_leaves_nothing(tmp_path, small_io):
+    path = tmp_path / "x.pt"
+    with pytest.raises(fp.UnsaveableObjectError):
+        fp.save({"f": lambda: 1, "t": torch.ones(2)}, str(path), config=small_io)
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_directory(tmp_path, small_io):
+    path = tmp_path / "no" / "such" / "x.pt"
+    with pytest.raises(fp.CheckpointWriteError, match="does not exist"):
+        fp.save({"t": torch.ones(2)}, str(path), config=small_io)
+    assert not (tmp_path / "no").exists()
+
+
+def test_read_only_directory(readonly_fs, small_io):
+    before = open_fds()
+    with pytest.raises(fp.CheckpointWriteError, match="cannot create"):
+        fp.save({"t": torch.ones(2)}, os.path.join(readonly_fs, "x.pt"), config=small_io)
+    assert os.listdir(readonly_fs) == []
+    assert open_fds() <= before, "no file descriptor may leak from a failed save"
+
+
+def test_full_filesystem_keeps_earlier_file(small_fs, small_io):
+    """ENOSPC: an error naming the file, nothing under the final name, the earlier file intact."""
+    path = os.path.join(small_fs, "x.pt")
+    early = {"t": torch.randn(1000)}
+    fp.save(early, path, config=small_io)
+    before = open_fds()
+    with pytest.raises(fp.CheckpointWriteError, match="x.pt"):
+        fp.save({"t": torch.randn(3_000_000)}, path, config=small_io)  # 12 MB into 8 MiB
+    assert sorted(os.listdir(small_fs)) == ["x.pt"], "no temporary file may be left behind"
+    assert _equal(fp.load(path, config=small_io), early)
+    assert open_fds() <= before
+
+
+def test_full_filesystem_during_data_writes(small_fs, small_io, monkeypatch):
+    """Without preallocation the failure comes from a data write, and is handled the same."""
+    import fastpersist.single_file as sf
+
+    monkeypatch.setattr(sf, "_preallocate", lambda fd, size: None)
+    path = os.path.join(small_fs, "x.pt")
+    with pytest.raises(fp.CheckpointWriteError, match="No space left"):
+        fp.save({"t": torch.randn(3_000_000)}, path, config=small_io)
+    assert os.listdir(small_fs) == []
+
+
+def test_save_replaces_atomically(tmp_path, small_io):
+    path = str(tmp_path / "x.pt")
+    fp.save({"v": torch.zeros(10)}, path, config=small_io)
+    ino = os.stat(path).st_ino
+    fp.save({"v": torch.ones(10)}, path, config=small_io)
+    assert os.stat(path).st_ino != ino, "a new file must be renamed over the old one"
+    assert torch.equal(fp.load(path)["v"], torch.ones(10))
+    assert os.listdir(tmp_path) == ["x.pt"]

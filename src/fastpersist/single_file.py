@@ -195,7 +195,7 @@ def load(
         base = align_down(min((r.offset for r in data), default=0))
         end = max((r.offset + r.nbytes for r in data), default=base)
         region = aligned_empty(align_up(end - base), pin=False)
-        read_into(file, [ReadRequest(base, end - base, region.data_ptr(), region.numel())], cfg)
+        read_into(file, [ReadRequest(base, end - base, region.data_ptr(), region.numel(), fresh=True)], cfg)
     finally:
         file.close()
     if do_verify and torchzip.CHECKSUM_RECORD in small:

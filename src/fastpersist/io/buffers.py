@@ -36,6 +36,25 @@ def memory_view(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(addr)).cast("B")
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_libc: ctypes.CDLL | None = None
+
+
+def populate(addr: int, nbytes: int) -> bool:
+    """Fault in (and zero) fresh memory ahead of use, in the kernel, in one call.
+
+    An O_DIRECT read into never-touched memory faults its pages one by one inside the read;
+    populating them from another thread while earlier requests are in flight overlaps that
+    work with the I/O. Returns False where the kernel does not support it (nothing is done).
+    """
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = align_down(addr)
+    return _libc.madvise(start, addr + nbytes - start, _MADV_POPULATE_WRITE) == 0
+
+
 def _cuda_present() -> bool:
     return torch.cuda.is_available()
 

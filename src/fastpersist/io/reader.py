@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointReadError, CorruptCheckpointError
-from fastpersist.io.buffers import ALIGN, align_down, align_up, memory_view
+from fastpersist.io.buffers import ALIGN, align_down, align_up, memory_view, populate
 from fastpersist.io.files import DirectFile, pread_into
 
 
@@ -26,13 +27,15 @@ class ReadRequest:
     """Read ``nbytes`` at file ``offset`` into memory at ``addr``.
 
     ``capacity`` is how many bytes at ``addr`` may be written (at least ``nbytes``); room for the
-    whole last block lets it be read with O_DIRECT.
+    whole last block lets it be read with O_DIRECT. ``fresh`` says the memory was never touched:
+    it is then faulted in by helper threads ahead of the reads (see ``buffers.populate``).
     """
 
     offset: int
     nbytes: int
     addr: int
     capacity: int
+    fresh: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,24 +89,53 @@ def _run(file: DirectFile, job: _Job) -> None:
         )
 
 
+_POPULATE_THREADS = 2
+
+
+def _populate_ahead(requests: Sequence[ReadRequest], step: int, stop: threading.Event) -> list[threading.Thread]:
+    """Threads that fault in the fresh destination memory, in file order, while reads run."""
+    spans = [(r.addr + pos, min(step, r.capacity - pos))
+             for r in requests if r.fresh for pos in range(0, r.capacity, step)]
+    if not spans:
+        return []
+
+    def run(k: int) -> None:
+        for addr, n in spans[k::_POPULATE_THREADS]:
+            if stop.is_set() or not populate(addr, n):
+                return
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"fastpersist-populate-{k}", daemon=True)
+               for k in range(_POPULATE_THREADS)]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfig) -> None:
     """Read every request, in parallel; raises on the first failure."""
     jobs = _jobs(requests, file, config.read_chunk_bytes)
     if not jobs:
         return
-    if len(jobs) == 1 or config.reader_threads == 1:
-        for j in jobs:
-            _guarded(file, j)
-        return
-    with ThreadPoolExecutor(max_workers=config.reader_threads, thread_name_prefix="fastpersist-reader") as ex:
-        futures = [ex.submit(_guarded, file, j) for j in jobs]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+    stop = threading.Event()
+    helpers = _populate_ahead(requests, config.read_chunk_bytes, stop)
+    try:
+        if len(jobs) == 1 or config.reader_threads == 1:
+            for j in jobs:
+                _guarded(file, j)
+            return
+        with ThreadPoolExecutor(max_workers=config.reader_threads, thread_name_prefix="fastpersist-reader") as ex:
+            futures = [ex.submit(_guarded, file, j) for j in jobs]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        stop.set()
+        for t in helpers:
+            t.join()
 
 
 def _guarded(file: DirectFile, job: _Job) -> None:

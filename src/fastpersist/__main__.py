@@ -1,0 +1,5 @@
+import sys
+
+from fastpersist.cli import main
+
+sys.exit(main())

@@ -5,8 +5,9 @@ so that the disk's drift hits them alike; the table gives the median and the spr
 [min-max] over rounds, and ratios of medians measured in this run. Loads start from a cold page
 cache (``/proc/sys/vm/drop_caches`` when writable; the table says when it was not).
 
-Each save writes a new file: the previous round's output is removed before the clock starts, for
-every contender. (Replacing an existing multi-GB file frees its blocks inside the timed region;
+Each save writes a new file: the contender's previous output is removed, and the disk left idle
+for ``--settle`` seconds, before the clock starts; the order of the save contenders rotates
+from round to round (the disk slows under sustained writes). (Replacing an existing multi-GB file frees its blocks inside the timed region;
 on this machine's ext4, mounted with ``discard``, that alone cost fastpersist.save 30%: 1.70 vs
 2.43 GB/s for 2 GiB. Deleting old checkpoints is retention's job, off the critical path.)
 """
@@ -265,7 +266,7 @@ def _fmt(xs: list[float], digits: int = 2) -> str:
 
 
 def run_size(
-    gib: float, rounds: int, workdir: str, dcp_threads: int, log: Callable[[str], None]
+    gib: float, rounds: int, workdir: str, dcp_threads: int, log: Callable[[str], None], settle: float = 2.0
 ) -> tuple[dict[str, Series], int]:
     state = gpt_state(gib)
     payload = tensor_bytes(state)
@@ -284,18 +285,25 @@ def run_size(
     cold = True
     for r in range(rounds):
         log(f"  {gib:g} GiB round {r + 1}/{rounds}: saves")
-        if os.path.exists(paths["fio.bin"]):
-            os.unlink(paths["fio.bin"])
-        s, gbps, note = device_probe(paths["fio.bin"], "write", fio_gib)
-        series["device write"].add(s, fio_gib * (1 << 30), gbps)
-        series["device write"].note = series["device read"].note = note
-        _remove(paths["torch.pt"], paths["dcp"], paths["fastpersist.pt"])
-        s, _ = measure(lambda: save_torch(state, paths["torch.pt"]))
-        series["torch.save+fsync"].add(s, payload)
-        s, _ = measure(lambda: save_dcp(state, paths["dcp"], dcp_threads))
-        series[dcp_name].add(s, payload)
-        s, _ = measure(lambda: save_fastpersist(state, paths["fastpersist.pt"]))
-        series["fastpersist.save"].add(s, payload)
+        saves: list[tuple[str, str, Callable[[], None]]] = [
+            ("device write", "fio.bin", lambda: None),
+            ("torch.save+fsync", "torch.pt", lambda: save_torch(state, paths["torch.pt"])),
+            (dcp_name, "dcp", lambda: save_dcp(state, paths["dcp"], dcp_threads)),
+            ("fastpersist.save", "fastpersist.pt", lambda: save_fastpersist(state, paths["fastpersist.pt"])),
+        ]
+        # Rotate the order every round: the disk slows down under sustained writes, so no
+        # contender may always come first (after idle time) or last (after 10 GB of writes).
+        k = r % len(saves)
+        for name, output, fn in saves[k:] + saves[:k]:
+            _remove(paths[output])
+            time.sleep(settle)
+            if name == "device write":
+                s, gbps, note = device_probe(paths["fio.bin"], "write", fio_gib)
+                series[name].add(s, fio_gib * (1 << 30), gbps)
+                series["device write"].note = series["device read"].note = note
+            else:
+                s, _ = measure(fn)
+                series[name].add(s, payload)
 
         log(f"  {gib:g} GiB round {r + 1}/{rounds}: loads")
         cold &= drop_caches()
@@ -363,9 +371,10 @@ def table(gib: float, payload_gb: float, series: dict[str, Series]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastpersist bench", description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1", help="state sizes in GiB, comma-separated (default 1)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds (4 = every save contender in every position)")
     ap.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-work"), help="where files are written (a real disk)")
     ap.add_argument("--dcp-threads", type=int, default=4)
+    ap.add_argument("--settle", type=float, default=2.0, help="idle seconds before each timed save")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
 
@@ -378,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     log("state memory: warm (created in this process just before the runs); loads: page cache dropped before each")
     results = {}
     for gib in [float(x) for x in args.sizes.split(",")]:
-        series, payload = run_size(gib, args.rounds, args.dir, args.dcp_threads, log)
+        series, payload = run_size(gib, args.rounds, args.dir, args.dcp_threads, log, args.settle)
         print()
         print(table(gib, payload / GB, series), flush=True)
         print()

@@ -1,0 +1,155 @@
+"""The I/O engine on its own: pieces to bytes, zero-copy, fallback, failures, the reader."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import xxhash
+
+from fastpersist.config import IOConfig
+from fastpersist.errors import CheckpointWriteError, CorruptCheckpointError
+from fastpersist.io.buffers import ALIGN, BufferPool, aligned_empty
+from fastpersist.io.files import DirectFile
+from fastpersist.io.reader import ReadRequest, read_into
+from fastpersist.io.writer import Piece, _WriterThreads, write_pieces
+
+from conftest import open_fds, supports_direct
+
+KiB = 1024
+
+
+def _bytes_tensor(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _write(path: str, pieces: list[Piece], cfg: IOConfig, pool: BufferPool | None = None) -> dict:
+    pool = pool or BufferPool(cfg.chunk_bytes, cfg.num_buffers, pin=False)
+    f = DirectFile(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, cfg.direct)
+    try:
+        return write_pieces(f, pieces, cfg, pool)
+    finally:
+        f.close()
+
+
+def test_pieces_with_gaps_become_exact_bytes(tmp_path, small_io):
+    a = _bytes_tensor(100_000, 1)
+    b = _bytes_tensor(5, 2)
+    pieces = [
+        Piece(0, 10, data=b"0123456789"),
+        Piece(4096, a.numel(), tensor=a, tag="a"),
+        Piece(200_003, 5, tensor=b, tag="b"),
+        Piece(300_000, 3, data=b"end", tag="end"),
+    ]
+    path = str(tmp_path / "f")
+    digests = _write(path, pieces, small_io)
+    raw = open(path, "rb").read()
+    expected = bytearray(300_003)
+    expected[0:10] = b"0123456789"
+    expected[4096 : 4096 + a.numel()] = a.numpy().tobytes()
+    expected[200_003:200_008] = b.numpy().tobytes()
+    expected[300_000:] = b"end"
+    assert raw == bytes(expected)
+    assert digests == {
+        "a": xxhash.xxh3_64_intdigest(a.numpy().tobytes()),
+        "b": xxhash.xxh3_64_intdigest(b.numpy().tobytes()),
+        "end": xxhash.xxh3_64_intdigest(b"end"),
+    }
+
+
+def test_zero_copy_from_aligned_memory(tmp_path, small_io):
+    if not supports_direct(str(tmp_path)):
+        pytest.skip("needs a filesystem with O_DIRECT")
+    src = aligned_empty(300_001, pin=False)
+    src.copy_(_bytes_tensor(300_001, 3))
+    assert src.data_ptr() % ALIGN == 0
+    pool = BufferPool(small_io.chunk_bytes, small_io.num_buffers, pin=False)
+    path = str(tmp_path / "f")
+    digests = _write(path, [Piece(8192, src.numel(), tensor=src, tag="x")], small_io, pool)
+    assert open(path, "rb").read()[8192:] == src.numpy().tobytes()
+    assert digests["x"] == xxhash.xxh3_64_intdigest(src.numpy().tobytes())
+    # 300_001 bytes = 73 aligned pages written from the tensor; only the first 8 KiB of zeros
+    # went through the pool, and the 1-byte tail through the buffered descriptor.
+    assert pool._created == 1
+
+
+def test_overlapping_pieces_are_refused(tmp_path, small_io):
+    with pytest.raises(ValueError, match="overlap"):
+        _write(str(tmp_path / "f"), [Piece(0, 10, data=b"x" * 10), Piece(5, 10, data=b"y" * 10)], small_io)
+
+
+def test_pool_memory_stays_bounded(tmp_path, small_io):
+    """However much is written, the pool never holds more than num_buffers buffers."""
+    pool = BufferPool(small_io.chunk_bytes, small_io.num_buffers, pin=False)
+    t = _bytes_tensor(5_000_000, 4)
+    _write(str(tmp_path / "f"), [Piece(0, t.numel(), tensor=t)], small_io, pool)
+    assert pool._created <= small_io.num_buffers
+    assert os.path.getsize(tmp_path / "f") == t.numel()
+
+
+def test_refused_direct_request_falls_back(tmp_path, small_io, caplog):
+    """A request the filesystem rejects with EINVAL (here: a real unaligned O_DIRECT write) is
+    retried through the buffered descriptor, and O_DIRECT is dropped for the file."""
+    if not supports_direct(str(tmp_path)):
+        pytest.skip("needs a filesystem with O_DIRECT")
+    path = str(tmp_path / "f")
+    f = DirectFile(path, os.O_WRONLY | os.O_CREAT, "auto")
+    pool = BufferPool(small_io.chunk_bytes, 1, pin=False)
+    try:
+        assert f.is_direct
+        writers = _WriterThreads(f, pool, 1)
+        with caplog.at_level(logging.WARNING, logger="fastpersist"):
+            writers.submit(memoryview(b"abc"), 1, None)  # unaligned offset, length and memory
+            writers.join()
+        assert not f.is_direct
+    finally:
+        f.close()
+    assert open(path, "rb").read() == b"\0abc"
+
+
+def test_enospc_names_the_file_and_returns_buffers(small_fs, small_io):
+    pool = BufferPool(small_io.chunk_bytes, small_io.num_buffers, pin=False)
+    t = _bytes_tensor(12_000_000, 5)
+    path = os.path.join(small_fs, "big")
+    before = open_fds()
+    with pytest.raises(CheckpointWriteError, match=r"big.*No space left"):
+        _write(path, [Piece(0, 100, data=b"h" * 100), Piece(4096, t.numel(), tensor=t)], small_io, pool)
+    assert open_fds() <= before
+    got = [pool.acquire(timeout=1) for _ in range(pool._created)]
+    assert len(got) == pool._created, "every staging buffer must return to the pool after a failure"
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_reader_aligned_and_unaligned(tmp_path, small_io, fresh):
+    data = _bytes_tensor(500_003, 6).numpy().tobytes()
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    aligned = aligned_empty(512 * KiB, pin=False)
+    plain = torch.zeros(1000, dtype=torch.uint8)
+    f = DirectFile(str(path), os.O_RDONLY, small_io.direct)
+    try:
+        read_into(f, [
+            ReadRequest(0, len(data), aligned.data_ptr(), aligned.numel(), fresh=fresh),
+            ReadRequest(12_345, 1000, plain.data_ptr(), 1000),
+        ], small_io)
+    finally:
+        f.close()
+    assert aligned[: len(data)].numpy().tobytes() == data
+    assert plain.numpy().tobytes() == data[12_345:13_345]
+
+
+def test_reader_reports_truncation(tmp_path, small_io):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10_000)
+    dest = aligned_empty(64 * KiB, pin=False)
+    f = DirectFile(str(path), os.O_RDONLY, small_io.direct)
+    try:
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            read_into(f, [ReadRequest(0, 50_000, dest.data_ptr(), dest.numel())], small_io)
+    finally:
+        f.close()

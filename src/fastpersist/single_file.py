@@ -12,9 +12,11 @@ rebuilds the object with storages that are slices of that buffer (no copy). With
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -53,7 +55,7 @@ def _preallocate(fd: int, size: int) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno in (95, 22):  # EOPNOTSUPP, EINVAL: the filesystem cannot; not an error
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # the filesystem cannot: not an error
             return
         raise
 
@@ -67,6 +69,7 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None
     """
     cfg = config or get_config()
     path = os.fspath(path)
+    start = time.perf_counter()
     directory = check_directory(path)
     layout = torchzip.layout(obj)
     temp = temp_path_for(path)
@@ -79,6 +82,7 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None
             _preallocate(file.fd, layout.file_size)
             pool = shared_pool(cfg.chunk_bytes, cfg.num_buffers)
             digests: dict[Any, int] = dict(write_pieces(file, _pieces(layout), cfg, pool))
+            file_direct = file.is_direct  # False if the filesystem refused O_DIRECT on the way
             digests.update(layout.small_digests)
             tail = memoryview(layout.finish_tail(digests))
             pwrite_all(file.fd, tail, layout.body_end)
@@ -91,6 +95,9 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None
     except BaseException:
         discard(temp)
         raise
+    seconds = time.perf_counter() - start
+    logger.debug("fastpersist: saved %s (%d bytes, %s) in %.3f s", path, layout.file_size,
+                 "O_DIRECT" if file_direct else "buffered", seconds)
 
 
 class _ArchiveView:

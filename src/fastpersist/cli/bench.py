@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -234,7 +235,9 @@ def save_dcp(state: dict[str, object], path: str, threads: int) -> None:
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(path, sync_files=True, thread_count=threads)
-    dcp.save(state, storage_writer=writer, no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": single process by design
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def save_fastpersist(state: object, path: str) -> None:

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from fastpersist.cli import main
+from fastpersist.cli.bench import Sample, Series, gpt_state, table, tensor_bytes
+
+
+def test_unknown_command_is_usage_error(capsys):
+    assert main(["no-such-command"]) == 2
+    assert "bench" in capsys.readouterr().out
+
+
+def test_gpt_state_has_the_requested_size_and_shape():
+    state = gpt_state(0.05)
+    size = tensor_bytes(state)
+    assert 0.8 * 0.05 * (1 << 30) <= size <= 1.2 * 0.05 * (1 << 30)
+    model, optim = state["model"], state["optim"]
+    assert len(optim["state"]) == len(model)
+    big = [t for t in model.values() if t.numel() >= 1 << 20]
+    small = [t for t in model.values() if t.dim() == 1]
+    assert big and len(small) > len(big), "a few large matrices and many small vectors"
+
+
+def test_table_reports_ratios_of_medians():
+    series = {}
+    for name, kind, gbps in [("device write", "save", [2.0, 3.0, 4.0]), ("torch.save+fsync", "save", [0.5] * 3),
+                             ("DCP FileSystemWriter t4", "save", [1.0] * 3), ("fastpersist.save", "save", [2.4] * 3),
+                             ("device read", "load", [2.0] * 3), ("torch.load", "load", [0.5] * 3),
+                             ("fastpersist.load", "load", [1.8] * 3)]:
+        s = Series(name, kind)
+        for g in gbps:
+            s.add(Sample(1.0 / g, 0.1 / g, 0), int(1e9))
+        series[name] = s
+    out = table(1, 1.07, series)
+    assert "| fastpersist.save / device write | 0.80 |" in out
+    assert "| fastpersist.save / torch.save+fsync | 4.80 |" in out
+    assert "| fastpersist.load / device read | 0.90 |" in out

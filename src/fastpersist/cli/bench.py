@@ -49,6 +49,8 @@ def gpt_state(gib: float, seed: int = 0) -> dict[str, object]:
     total = int(gib * (1 << 30))
     param_bytes = total // 3
     d = 1024
+    while d > 64 and 12 * d * d * 4 > param_bytes // 2:  # small states: narrower layers
+        d //= 2
     layers = max(1, min(24, param_bytes // (12 * d * d * 4)))
     per_layer = 12 * d * d * 4
     vocab = max(1024, (param_bytes - layers * per_layer) // (d * 4))

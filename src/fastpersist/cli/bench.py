@@ -156,20 +156,6 @@ def drop_caches() -> bool:
         return False
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for f in files:
-            _fsync_path(os.path.join(root, f))
-
-
 # ------------------------------------------------------------------------------- contenders
 
 
@@ -242,10 +228,6 @@ def save_dcp(state: dict[str, object], path: str, threads: int) -> None:
         dcp.save(state, storage_writer=writer, no_dist=True)
 
 
-def save_fastpersist(state: object, path: str) -> None:
-    fp.save(state, path)
-
-
 # ------------------------------------------------------------------------------- the run
 
 
@@ -294,7 +276,7 @@ def run_size(
             ("device write", "fio.bin", lambda: None),
             ("torch.save+fsync", "torch.pt", lambda: save_torch(state, paths["torch.pt"])),
             (dcp_name, "dcp", lambda: save_dcp(state, paths["dcp"], dcp_threads)),
-            ("fastpersist.save", "fastpersist.pt", lambda: save_fastpersist(state, paths["fastpersist.pt"])),
+            ("fastpersist.save", "fastpersist.pt", lambda: fp.save(state, paths["fastpersist.pt"])),
         ]
         # Rotate the order every round: the disk slows down under sustained writes, so no
         # contender may always come first (after idle time) or last (after 10 GB of writes).

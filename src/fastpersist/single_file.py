@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,7 +30,7 @@ from fastpersist.errors import (
     CheckpointWriteError,
     ChecksumMismatchError,
 )
-from fastpersist.format import torchzip
+from fastpersist.format import skeleton, torchzip
 from fastpersist.io.buffers import aligned_empty, align_down, align_up, memory_view, shared_pool
 from fastpersist.io.files import DirectFile, pread_into, pwrite_all
 from fastpersist.io.reader import ReadRequest, read_into
@@ -98,36 +97,6 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None
     seconds = time.perf_counter() - start
     logger.debug("fastpersist: saved %s (%d bytes, %s) in %.3f s", path, layout.file_size,
                  "O_DIRECT" if file_direct else "buffered", seconds)
-
-
-class _ArchiveView:
-    """What ``torch.serialization._load`` needs of a zip reader, served from memory."""
-
-    def __init__(self, records: dict[str, torchzip.Record], small: dict[str, bytes], base: int) -> None:
-        self._records = records
-        self._small = small
-        self._base = base  # file offset -> offset in the storage buffer: offset - base
-
-    def has_record(self, name: str) -> bool:
-        return name in self._records
-
-    def get_record(self, name: str) -> bytes:
-        return self._small[name]
-
-    def get_record_offset(self, name: str) -> int:
-        return self._records[name].offset - self._base
-
-    def get_record_header_offset(self, name: str) -> int:
-        return self.get_record_offset(name)
-
-    def get_record_offset_no_read(self, _current: int, name: str, _numel: int, _align: int) -> int:
-        return self.get_record_offset(name)
-
-    def serialization_id(self) -> str:
-        return self._small.get(".data/serialization_id", b"").decode(errors="replace")
-
-    def get_all_records(self) -> list[str]:
-        return list(self._records)
 
 
 def _open_for_read(path: str, cfg: IOConfig) -> DirectFile:
@@ -208,21 +177,7 @@ def load(
     if do_verify and torchzip.CHECKSUM_RECORD in small:
         expected = torchzip.parse_checksums(path, small[torchzip.CHECKSUM_RECORD])
         _verify(path, records, small, region, base, expected, cfg.reader_threads)
-    archive = _ArchiveView(records, small, base - region.storage_offset())
-    return _unpickle(path, archive, region.untyped_storage(), map_location, weights_only)
-
-
-def _unpickle(path: str, archive: _ArchiveView, storage: torch.UntypedStorage,
-              map_location: Any, weights_only: bool) -> Any:
-    pickle_module: Any = torch._weights_only_unpickler if weights_only else pickle
-    try:
-        return torch.serialization._load(
-            archive, map_location, pickle_module, overall_storage=storage, encoding="utf-8"
-        )
-    except pickle.UnpicklingError as e:
-        if weights_only:
-            raise CheckpointReadError(
-                f"{path}: the weights-only loader refused the file ({e}). If you trust its "
-                "source, load it with weights_only=False"
-            ) from e
-        raise CheckpointReadError(f"{path}: the object skeleton cannot be unpickled: {e}") from e
+    shift = base - region.storage_offset()  # file offset -> offset in the region's storage
+    offsets = {n: r.offset - shift for n, r in records.items() if n.startswith("data/")}
+    archive = skeleton.ArchiveView(small, offsets)
+    return skeleton.rebuild(path, archive, region.untyped_storage(), map_location, weights_only)

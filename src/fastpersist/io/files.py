@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 from fastpersist.errors import CheckpointError
 
@@ -48,8 +49,12 @@ class DirectFile:
     until :meth:`close`, since other threads may still be using it.
     """
 
-    def __init__(self, path: str, flags: int, direct: str, mode: int = 0o644) -> None:
+    def __init__(self, path: str, flags: int, direct: str, mode: int = 0o644,
+                 on_write: Callable[[int, int], None] | None = None) -> None:
         self.path = path
+        # Called as on_write(offset, nbytes) by writer threads before each write request: the
+        # seam for throttled and fault-injecting backends (see fastpersist.io.backend).
+        self.on_write = on_write
         self.fd = os.open(path, flags | os.O_CLOEXEC, mode)
         self.direct_fd = -1
         self._direct_ok = False

@@ -1,7 +1,8 @@
 """The parallel reader: file byte ranges straight into destination memory.
 
 Each :class:`ReadRequest` names a file range and the memory it goes to. Where the file offset
-and the destination address are both aligned, the range is read with O_DIRECT in
+and the destination address share their alignment phase, the range past the first aligned
+offset is read with O_DIRECT (the head before it through the page cache) in
 ``read_chunk_bytes`` requests spread over ``reader_threads`` threads (os.preadv releases the
 GIL); a final partial block is read with O_DIRECT too when the destination has room for the
 whole block, else through the page cache. Unaligned requests are read through the page cache.
@@ -52,20 +53,23 @@ def _jobs(requests: Sequence[ReadRequest], file: DirectFile, chunk: int) -> list
     for r in requests:
         if r.nbytes == 0:
             continue
-        aligned = file.is_direct and r.offset % ALIGN == 0 and r.addr % ALIGN == 0
-        if not aligned:
+        if not file.is_direct or (r.offset - r.addr) % ALIGN:  # phases differ: page cache
             jobs.append(_Job(r.offset, r.nbytes, r.addr, r.nbytes, False))
             continue
-        direct_span = align_up(r.nbytes) if r.capacity >= align_up(r.nbytes) else align_down(r.nbytes)
+        head = min((-r.offset) % ALIGN, r.nbytes)  # up to the first aligned offset: page cache
+        if head:
+            jobs.append(_Job(r.offset, head, r.addr, head, False))
+        offset, addr, nbytes, capacity = r.offset + head, r.addr + head, r.nbytes - head, r.capacity - head
+        direct_span = align_up(nbytes) if capacity >= align_up(nbytes) else align_down(nbytes)
         pos = 0
         while pos < direct_span:
             n = min(chunk, direct_span - pos)
-            need = min(n, r.nbytes - pos)
-            jobs.append(_Job(r.offset + pos, need, r.addr + pos, n, True))
+            need = min(n, nbytes - pos)
+            jobs.append(_Job(offset + pos, need, addr + pos, n, True))
             pos += n
-        if direct_span < r.nbytes:
-            rest = r.nbytes - direct_span
-            jobs.append(_Job(r.offset + direct_span, rest, r.addr + direct_span, rest, False))
+        if direct_span < nbytes:
+            rest = nbytes - direct_span
+            jobs.append(_Job(offset + direct_span, rest, addr + direct_span, rest, False))
     return jobs
 
 

@@ -4,8 +4,9 @@ A file is described as an ordered list of :class:`Piece` objects, each a byte ra
 and where its bytes live (a small ``bytes`` object, or a uint8 tensor on any device). The writer
 turns the list into write requests:
 
-* a CPU tensor whose memory is O_DIRECT-aligned and whose file offset is aligned is written
-  straight from its memory (no copy), its unaligned tail through the pool;
+* a CPU tensor whose memory address and file offset share their alignment phase (both
+  aligned, or both 64 bytes past a page, ...) is written straight from its memory (no copy);
+  only its unaligned head and tail go through the pool;
 * everything else is copied into page-aligned staging buffers of ``chunk_bytes`` from a fixed
   pool; while buffer k is being written by a writer thread, the caller fills buffer k+1;
 * the last partial page of the range goes through the buffered descriptor, after every direct
@@ -161,6 +162,8 @@ class _WriterThreads:
 
     def _write(self, view: memoryview, offset: int) -> None:
         f = self.file
+        if f.on_write is not None:
+            f.on_write(offset, len(view))
         if f.is_direct:
             try:
                 pwrite_all(f.direct_fd, view, offset)
@@ -210,14 +213,23 @@ def _write_error(path: str, offset: int, nbytes: int, cause: BaseException) -> C
     return err
 
 
-def _zero_copy_ok(piece: Piece, file: DirectFile, config: IOConfig) -> bool:
+def _direct_span(piece: Piece, file: DirectFile, config: IOConfig) -> tuple[int, int] | None:
+    """(head, length): the part of ``piece`` written straight from its memory, if any.
+
+    With O_DIRECT that needs the memory address and the file offset to share their alignment
+    phase: the ``head`` bytes up to the next aligned file offset go through the pool, then
+    ``length`` (a multiple of ALIGN) bytes go straight from memory.
+    """
     addr = _cpu_address(piece)
-    return (
-        addr is not None
-        and piece.nbytes >= max(config.zero_copy_min_bytes, ALIGN)
-        and (addr % ALIGN == 0 or not file.is_direct)
-        and (piece.offset % ALIGN == 0 or not file.is_direct)
-    )
+    if addr is None or piece.nbytes < max(config.zero_copy_min_bytes, ALIGN):
+        return None
+    if not file.is_direct:
+        return 0, piece.nbytes
+    if (addr - piece.offset) % ALIGN:
+        return None
+    head = (-piece.offset) % ALIGN
+    length = align_down(piece.nbytes - head)
+    return (head, length) if length > 0 else None
 
 
 def write_pieces(
@@ -238,11 +250,13 @@ def write_pieces(
     try:
         staged_from = 0
         for p in index.pieces:
-            if p.offset >= direct_end or not _zero_copy_ok(p, file, config):
+            span = _direct_span(p, file, config)
+            if span is None or p.offset + span[0] >= direct_end:
                 continue
-            middle_end = min(p.offset + (align_down(p.nbytes) if file.is_direct else p.nbytes), direct_end)
-            _staged(writers, index, staged_from, p.offset, config, pool, hashers)
-            _direct(writers, p, middle_end - p.offset, config, hashers)
+            head, length = span
+            middle_end = min(p.offset + head + length, direct_end)
+            _staged(writers, index, staged_from, p.offset + head, config, pool, hashers)
+            _direct(writers, p, head, middle_end - p.offset - head, config, hashers)
             staged_from = middle_end
         _staged(writers, index, staged_from, direct_end, config, pool, hashers)
     except BaseException:
@@ -292,20 +306,20 @@ def _staged(
 
 
 def _direct(
-    writers: _WriterThreads, piece: Piece, nbytes: int, config: IOConfig, hashers: _Hashers
+    writers: _WriterThreads, piece: Piece, skip: int, nbytes: int, config: IOConfig, hashers: _Hashers
 ) -> None:
-    """Write the first ``nbytes`` of ``piece`` straight from its memory (no copy)."""
+    """Write ``nbytes`` of ``piece`` from byte ``skip`` straight from its memory (no copy)."""
     addr = _cpu_address(piece)
     if addr is None:
         raise ValueError("zero-copy writes need a CPU tensor")
-    view = memory_view(addr, nbytes)
+    view = memory_view(addr + skip, nbytes)
     pos = 0
     while pos < nbytes:
         if writers.error is not None:
             raise writers.error
         n = min(config.chunk_bytes, nbytes - pos)
         hashers.update(piece.tag, view[pos : pos + n])
-        writers.submit(view[pos : pos + n], piece.offset + pos, None)
+        writers.submit(view[pos : pos + n], piece.offset + skip + pos, None)
         pos += n
 
 

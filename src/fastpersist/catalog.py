@@ -1,0 +1,142 @@
+"""Where checkpoints live in their roots, which are committed, and the ``latest`` pointer.
+
+Every root holds one directory per checkpoint, ``step-<step, 8+ digits>``, with that checkpoint's
+files on that root. The first root also holds the checkpoint's ``manifest.json`` and the
+``latest`` pointer. A checkpoint is committed exactly when its manifest exists: the manifest is
+written last (temporary name, fsync, rename, directory fsync). A directory without a manifest
+is an incomplete save (in progress, or left by a crash) and is never listed as loadable.
+
+``latest`` is a small text file naming the newest committed checkpoint's directory, replaced
+atomically after each commit. Readers trust it only if it names a committed checkpoint, and
+otherwise fall back to the highest committed step, so a crash between the manifest's rename and
+the pointer's update loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from fastpersist.format import manifest as mf
+from fastpersist.io.backend import FileBackend
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+TEMP_SUFFIX = ".fastpersist-tmp"
+
+
+def step_dir(step: int) -> str:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"a checkpoint step must be a non-negative integer, got {step!r}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A checkpoint directory found in the first root."""
+
+    step: int
+    path: str  # its directory in the first root
+    committed: bool
+
+
+def scan(root: str) -> list[Entry]:
+    """Every checkpoint directory in ``root``, by step."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        step = parse_step_dir(name)
+        path = os.path.join(root, name)
+        if step is not None and os.path.isdir(path):
+            out.append(Entry(step, path, os.path.isfile(os.path.join(path, mf.MANIFEST_NAME))))
+    return sorted(out, key=lambda e: e.step)
+
+
+def read_manifest(step_path: str) -> mf.Manifest:
+    path = os.path.join(step_path, mf.MANIFEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError as e:
+        if os.path.isdir(step_path):
+            raise CheckpointNotFoundError(
+                f"{step_path} holds no committed checkpoint (no {mf.MANIFEST_NAME}: the save did not "
+                "finish, or this is not a fastpersist checkpoint directory)"
+            ) from e
+        raise CheckpointNotFoundError(f"no checkpoint at {step_path}: the directory does not exist") from e
+    except OSError as e:
+        raise CheckpointReadError(f"cannot read {path}: {e.strerror or e}") from e
+    return mf.parse(path, raw)
+
+
+def read_latest(root: str) -> int | None:
+    """The step ``latest`` names, if it names a committed checkpoint; else the highest one."""
+    try:
+        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
+            step = parse_step_dir(f.read().strip())
+    except (OSError, UnicodeDecodeError):
+        step = None
+    if step is not None and os.path.isfile(os.path.join(root, step_dir(step), mf.MANIFEST_NAME)):
+        return step
+    committed = [e.step for e in scan(root) if e.committed]
+    return committed[-1] if committed else None
+
+
+def write_atomic(directory: str, name: str, data: bytes, backend: FileBackend) -> None:
+    """Write ``directory/name`` durably and atomically: temp name, fsync, rename, fsync dir."""
+    temp = os.path.join(directory, f".{name}{TEMP_SUFFIX}-{secrets.token_hex(4)}")
+    try:
+        backend.write_small(temp, data, 0)
+        backend.replace(temp, os.path.join(directory, name))
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    backend.fsync_dir(directory)
+
+
+def remove_checkpoint(roots: Sequence[str], step: int, backend: FileBackend) -> None:
+    """Delete a checkpoint: first its manifest (so it stops being loadable), then its files."""
+    name = step_dir(step)
+    first = os.path.join(roots[0], name)
+    manifest = os.path.join(first, mf.MANIFEST_NAME)
+    if os.path.exists(manifest):
+        os.unlink(manifest)
+        backend.fsync_dir(first)
+    for root in roots:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def remove_files(roots: Sequence[str], step: int, prefix: str, keep: set[tuple[int, str]] | None = None) -> None:
+    """Remove files of one checkpoint whose name starts with ``prefix`` (best effort)."""
+    name = step_dir(step)
+    for i, root in enumerate(roots):
+        d = os.path.join(root, name)
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for f in names:
+            if f.startswith(prefix) and f != mf.MANIFEST_NAME and (keep is None or (i, f) not in keep):
+                try:
+                    os.unlink(os.path.join(d, f))
+                except OSError as e:
+                    logger.warning("fastpersist: could not remove %s: %s", os.path.join(d, f), e)

@@ -1,0 +1,162 @@
+"""Ranks, writer policies and failure-safe collective steps.
+
+fastpersist never issues collectives on the training's process group: a :class:`GlooComm`
+owns a separate gloo group (created collectively when the Checkpointer is built), so checkpoint
+coordination works whatever backend trains (NCCL, gloo, ...) and can run from a background
+thread without interleaving with the training's collectives. World size 1 uses
+:class:`LocalComm` and needs no process group at all.
+
+Every distributed step goes through :func:`agree`: each rank runs its part, catches its own
+failure, and all ranks exchange outcomes; if any rank failed, every rank raises one
+:class:`DistributedCheckpointError` carrying each failing rank's number and traceback. No rank
+is left waiting in a collective that the others skipped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from fastpersist.errors import CheckpointError, CheckpointWriteError
+
+T = TypeVar("T")
+
+
+class Comm(Protocol):
+    """The few collectives fastpersist needs (on objects, small)."""
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+
+class LocalComm:
+    """World size 1: no process group."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+
+class GlooComm:
+    """Collectives on a gloo group of its own, beside whatever group the training uses."""
+
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        try:
+            self._dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:  # gloo reports a dead or silent peer as a RuntimeError
+            raise CheckpointError(f"checkpoint coordination failed on rank {self.rank}: {e}") from e
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        try:
+            self._dist.broadcast_object_list(box, src=src, group=self.group)
+        except RuntimeError as e:
+            raise CheckpointError(f"checkpoint coordination failed on rank {self.rank}: {e}") from e
+        return box[0]
+
+
+def default_comm(timeout_s: float = 600.0) -> Comm:
+    """A :class:`GlooComm` when torch.distributed is initialised with several ranks, else local."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed support
+        return LocalComm()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return GlooComm(timeout_s)
+    return LocalComm()
+
+
+class DistributedCheckpointError(CheckpointWriteError):
+    """A step failed on one or more ranks; raised on every rank.
+
+    ``failures`` maps each failing rank to its formatted traceback.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.failures)
+
+
+def agree(comm: Comm, what: str, fn: Callable[[], T]) -> list[T]:
+    """Run ``fn`` on every rank; return every rank's result, or raise on every rank.
+
+    ``what`` names the step in the error ("writing checkpoint step 10").
+    """
+    local_error: BaseException | None = None
+    try:
+        outcome: tuple[bool, Any] = (True, fn())
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        local_error = e
+        outcome = (False, "".join(traceback.format_exception(e)))
+    outcomes = comm.all_gather(outcome)
+    failures = {r: str(o[1]) for r, o in enumerate(outcomes) if not o[0]}
+    if failures:
+        ranks = sorted(failures)
+        first = failures[ranks[0]].rstrip().splitlines()[-1]
+        details = "".join(f"\n--- rank {r} ---\n{failures[r].rstrip()}" for r in ranks)
+        err = DistributedCheckpointError(
+            f"{what} failed on rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))}: {first}{details}",
+            failures,
+        )
+        if local_error is not None:
+            raise err from local_error
+        raise err
+    return [o[1] for o in outcomes]
+
+
+def host_name() -> str:
+    return socket.gethostname()
+
+
+def writer_ranks(policy: str | int | Sequence[int], hosts: Sequence[str]) -> list[int]:
+    """The ranks that write replicated state, given each rank's host name.
+
+    ``"all"``: every rank; ``"node"``: the first rank of every host; an int ``N``: the first N
+    ranks of every host; a list: exactly those ranks.
+    """
+    world = len(hosts)
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    if policy == "all":
+        return list(range(world))
+    if policy == "node":
+        return sorted(ranks[0] for ranks in by_host.values())
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        if policy < 1:
+            raise CheckpointError(f"writers={policy}: at least one writer per node is needed")
+        return sorted(r for ranks in by_host.values() for r in ranks[:policy])
+    if isinstance(policy, str):
+        raise CheckpointError(f"writers={policy!r}: use 'all', 'node', a number per node or a list of ranks")
+    chosen = sorted(set(int(r) for r in policy))
+    bad = [r for r in chosen if not 0 <= r < world]
+    if not chosen or bad:
+        raise CheckpointError(f"writers={list(policy)}: ranks must be in 0..{world - 1} and not empty")
+    return chosen

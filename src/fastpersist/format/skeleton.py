@@ -1,0 +1,94 @@
+"""The object skeleton: torch's pickle and small records, and rebuilding an object from it.
+
+torch's serializer splits an object into a pickle (``data.pkl``: the structure, Python values,
+tensor views that refer to storages by key) plus a few small records (``byteorder``,
+``.format_version``...) and the storages' bytes. A sharded checkpoint keeps the small records in
+one *skeleton file*: a stored (uncompressed) zip archive holding exactly those records, readable
+with any zip tool. :func:`rebuild` hands torch's own loader the skeleton and one host buffer
+holding every storage, so objects come back exactly as ``torch.load`` would build them.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from typing import Any
+
+import torch
+
+from fastpersist.errors import CheckpointReadError, CorruptCheckpointError
+
+_DATE = (2020, 1, 1, 0, 0, 0)  # fixed, so the same state gives the same bytes
+
+
+def encode(records: dict[str, bytes]) -> bytes:
+    """The skeleton file for torch's small records (every record except storages)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for name in sorted(records):
+            z.writestr(zipfile.ZipInfo(name, _DATE), records[name])
+    return out.getvalue()
+
+
+def decode(path: str, raw: bytes) -> dict[str, bytes]:
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            records = {info.filename: z.read(info) for info in z.infolist()}
+    except (zipfile.BadZipFile, ValueError, EOFError, KeyError) as e:
+        raise CorruptCheckpointError(f"{path} is not a readable skeleton file ({e})") from e
+    if "data.pkl" not in records:
+        raise CorruptCheckpointError(f"{path} is not a skeleton file: it has no data.pkl record")
+    return records
+
+
+class ArchiveView:
+    """What ``torch.serialization._load`` needs of a zip reader, served from memory.
+
+    ``small`` holds the small records; ``offsets`` maps each storage record name
+    (``data/<key>``) to the offset of its bytes in the buffer handed to :func:`rebuild`.
+    """
+
+    def __init__(self, small: dict[str, bytes], offsets: dict[str, int]) -> None:
+        self._small = small
+        self._offsets = offsets
+
+    def has_record(self, name: str) -> bool:
+        return name in self._small or name in self._offsets
+
+    def get_record(self, name: str) -> bytes:
+        return self._small[name]
+
+    def get_record_offset(self, name: str) -> int:
+        return self._offsets[name]
+
+    def get_record_header_offset(self, name: str) -> int:
+        return self._offsets[name]
+
+    def get_record_offset_no_read(self, _current: int, name: str, _numel: int, _align: int) -> int:
+        return self._offsets[name]
+
+    def serialization_id(self) -> str:
+        return self._small.get(".data/serialization_id", b"").decode(errors="replace")
+
+    def get_all_records(self) -> list[str]:
+        return [*self._small, *self._offsets]
+
+
+def rebuild(path: str, archive: ArchiveView, storage: torch.UntypedStorage,
+            map_location: Any, weights_only: bool) -> Any:
+    """Unpickle the skeleton with storages sliced out of ``storage`` (no copy)."""
+    pickle_module: Any = torch._weights_only_unpickler if weights_only else pickle
+    try:
+        return torch.serialization._load(
+            archive, map_location, pickle_module, overall_storage=storage, encoding="utf-8"
+        )
+    except pickle.UnpicklingError as e:
+        if weights_only:
+            raise CheckpointReadError(
+                f"{path}: the weights-only loader refused the checkpoint ({e}). If you trust its "
+                "source, load it with weights_only=False"
+            ) from e
+        raise CheckpointReadError(f"{path}: the object skeleton cannot be unpickled: {e}") from e
+    except KeyError as e:
+        raise CorruptCheckpointError(f"{path}: the skeleton refers to storage {e} that the checkpoint lacks") from e

@@ -1,0 +1,329 @@
+"""Writing and reading the data of a sharded checkpoint (the Checkpointer's I/O half).
+
+Writing: an object is serialized once by torch into a skeleton and storages
+(:func:`prepare`); the plan (:mod:`fastpersist.plan`) gives every writer slot its extents; a rank
+writes each of its slots to one file on that slot's root, all slots at once, through the
+pipelined writer. Inside its file a slot places each large extent at an offset with the same
+alignment phase as the extent's memory, so the extent's middle goes straight from the tensor to
+the device with O_DIRECT and only its head and tail are copied through the pool. The result of
+a write (:class:`FileReport`) says where every extent landed and its checksum; the coordinator
+turns those into the manifest.
+
+Reading: :func:`read_object` reads every extent of an object, in parallel, into one host
+buffer laid out so that each large extent's file offset and memory address share their phase
+(O_DIRECT again), verifies every checksum, and hands the buffer with the skeleton to torch's
+loader; the object's tensors are views of that buffer, with no copy after the read.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from fastpersist.config import IOConfig
+from fastpersist.errors import (
+    CheckpointReadError,
+    CheckpointWriteError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+)
+from fastpersist.format import manifest as mf
+from fastpersist.format import skeleton, torchzip
+from fastpersist.io.backend import FileBackend
+from fastpersist.io.buffers import ALIGN, BufferPool, align_up, aligned_empty, memory_view
+from fastpersist.io.files import DirectFile
+from fastpersist.io.reader import ReadRequest, read_into
+from fastpersist.io.writer import Piece, write_pieces
+from fastpersist.plan import Extent
+
+# Extents at least this large are placed at an offset matching their memory's alignment phase
+# (costs at most ALIGN - 1 bytes of padding); smaller ones are packed back to back.
+_PHASE_MIN = 64 * 1024
+# Storages in the read buffer start on this boundary (enough for any dtype).
+_ELEMENT_ALIGN = 64
+
+
+@dataclass
+class Prepared:
+    """One object, serialized: its skeleton file's bytes and its storages in pickler order."""
+
+    name: str
+    skeleton: bytes
+    keys: list[str]
+    storages: list[torch.UntypedStorage]
+    sizes: list[int]
+
+    @property
+    def skeleton_checksum(self) -> int:
+        return xxhash.xxh3_64_intdigest(self.skeleton)
+
+
+def prepare(name: str, obj: object) -> Prepared:
+    """Serialize ``obj`` with torch's pickler (storages kept as references, never copied)."""
+    layout = torchzip.layout(obj)
+    small = {n: b for n, b in layout.small.items()}
+    records = layout.storages
+    return Prepared(
+        name=name,
+        skeleton=skeleton.encode(small),
+        keys=[r.name.split("/", 1)[1] for r in records],
+        storages=[r.storage for r in records],
+        sizes=[r.nbytes for r in records],
+    )
+
+
+@dataclass(frozen=True)
+class PlacedExtent:
+    """Where a writer put an extent: (storage index, start, nbytes, file offset, checksum)."""
+
+    storage: int
+    start: int
+    nbytes: int
+    offset: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class FileReport:
+    """One file a rank wrote: which object, on which root, and what it holds."""
+
+    object: str
+    root: int
+    name: str
+    size: int
+    extents: tuple[PlacedExtent, ...]
+    skeleton_checksum: int | None = None  # set for a skeleton file
+
+
+def _placement(prepared: Prepared, extents: Sequence[Extent]) -> tuple[list[Piece], list[tuple[Extent, int]], int]:
+    """Pieces for one slot's file, each extent's offset, and the file size."""
+    pos = 0
+    pieces: list[Piece] = []
+    placed: list[tuple[Extent, int]] = []
+    for k, e in enumerate(extents):
+        view = torchzip.byte_view(prepared.storages[e.storage])[e.start : e.end]
+        if e.nbytes >= _PHASE_MIN:
+            phase = (view.data_ptr() % ALIGN) if view.device.type == "cpu" else 0
+            offset = pos - pos % ALIGN + phase
+            pos = offset if offset >= pos else offset + ALIGN
+        pieces.append(Piece(pos, e.nbytes, tensor=view, tag=k))
+        placed.append((e, pos))
+        pos += e.nbytes
+    return pieces, placed, pos
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks: a full disk fails before any data is written."""
+    if size == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def write_file(prepared: Prepared, extents: Sequence[Extent], root: int, path: str,
+               backend: FileBackend, config: IOConfig, pool: BufferPool) -> FileReport:
+    """Write one slot's extents to a new file at ``path`` and fsync it."""
+    pieces, placed, size = _placement(prepared, extents)
+    try:
+        file = backend.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, config.direct, root)
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot create {path}: {e.strerror or e}") from e
+    try:
+        _preallocate(file.fd, size)
+        digests = write_pieces(file, pieces, config, pool)
+        backend.fsync(file)
+    except CheckpointWriteError:
+        raise
+    except OSError as e:
+        raise CheckpointWriteError(f"writing {path} failed: {e.strerror or e}") from e
+    finally:
+        file.close()
+    return FileReport(
+        prepared.name, root, os.path.basename(path), size,
+        tuple(PlacedExtent(e.storage, e.start, e.nbytes, off, digests[k]) for k, (e, off) in enumerate(placed)),
+    )
+
+
+def write_slots(prepared: Prepared, jobs: Sequence[tuple[Sequence[Extent], int, str]],
+                backend: FileBackend, config: IOConfig, pool: BufferPool) -> list[FileReport]:
+    """Write several slot files at once (one thread each; each with its own writer threads).
+
+    ``jobs`` holds (extents, root, path) per slot. Raises the first failure after every slot
+    has stopped.
+    """
+    if len(jobs) == 1:
+        extents, root, path = jobs[0]
+        return [write_file(prepared, extents, root, path, backend, config, pool)]
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="fastpersist-slot") as ex:
+        futures = [ex.submit(write_file, prepared, e, r, p, backend, config, pool) for e, r, p in jobs]
+        return [f.result() for f in futures]
+
+
+def write_skeleton(prepared: Prepared, root: int, path: str, backend: FileBackend) -> FileReport:
+    try:
+        backend.write_small(path, prepared.skeleton, root)
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot write {path}: {e.strerror or e}") from e
+    return FileReport(prepared.name, root, os.path.basename(path), len(prepared.skeleton), (),
+                      prepared.skeleton_checksum)
+
+
+def build_object(prepared_keys: Sequence[str], sizes: Sequence[int], skeleton_file: int,
+                 skeleton_report: FileReport, data: Sequence[tuple[int, FileReport]]) -> mf.ObjectEntry:
+    """The manifest entry of one object from the reports of the files that hold it.
+
+    ``data`` pairs each data file's index in the manifest's file list with its report.
+    """
+    per_storage: list[list[mf.ExtentEntry]] = [[] for _ in sizes]
+    for index, report in data:
+        for p in report.extents:
+            per_storage[p.storage].append(mf.ExtentEntry(index, p.offset, p.start, p.nbytes, p.checksum))
+    storages = tuple(
+        mf.StorageEntry(key, size, tuple(sorted(per_storage[i], key=lambda e: e.start)))
+        for i, (key, size) in enumerate(zip(prepared_keys, sizes))
+    )
+    if skeleton_report.skeleton_checksum is None:
+        raise CheckpointWriteError(f"{skeleton_report.name} is not a skeleton file")
+    sk = mf.ExtentEntry(skeleton_file, 0, 0, skeleton_report.size, skeleton_report.skeleton_checksum)
+    return mf.ObjectEntry(sk, storages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _file_path(dirs: Sequence[str], manifest: mf.Manifest, index: int) -> str:
+    f = manifest.files[index]
+    if f.root >= len(dirs):
+        raise CheckpointReadError(
+            f"the checkpoint's file {f.name!r} is on root #{f.root}, but only {len(dirs)} roots were "
+            "given: pass every root the checkpoint was written to"
+        )
+    return os.path.join(dirs[f.root], f.name)
+
+
+def _read_skeleton(dirs: Sequence[str], manifest: mf.Manifest, name: str, verify: bool) -> dict[str, bytes]:
+    entry = manifest.objects[name].skeleton
+    path = _file_path(dirs, manifest, entry.file)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{path}: the skeleton file of object {name!r} is missing") from e
+    except OSError as e:
+        raise CheckpointReadError(f"cannot read {path}: {e.strerror or e}") from e
+    if len(raw) != entry.nbytes:
+        raise CorruptCheckpointError(f"{path}: the skeleton file is {len(raw)} bytes, the manifest says {entry.nbytes}")
+    if verify and xxhash.xxh3_64_intdigest(raw) != entry.checksum:
+        raise ChecksumMismatchError(f"{path}: the skeleton of object {name!r} fails its checksum; the file is corrupt")
+    return skeleton.decode(path, raw)
+
+
+def _buffer_layout(entry: mf.ObjectEntry) -> tuple[list[int], int]:
+    """Offset of every storage in the read buffer, and the buffer's size.
+
+    A large storage starts at the alignment phase of its largest extent's file offset, so the
+    reader can use O_DIRECT for it; small ones are packed on 64-byte boundaries.
+    """
+    bases = []
+    pos = 0
+    for s in entry.storages:
+        if s.nbytes >= _PHASE_MIN and s.extents:
+            big = max(s.extents, key=lambda e: e.nbytes)
+            phase = (big.offset - big.start) % ALIGN
+            base = pos - pos % ALIGN + phase
+            pos = base if base >= pos else base + ALIGN
+        else:
+            pos = align_up(pos, _ELEMENT_ALIGN)
+        bases.append(pos)
+        pos = align_up(pos + s.nbytes) if s.nbytes >= _PHASE_MIN else pos + s.nbytes
+    return bases, align_up(pos)
+
+
+def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_location: Any,
+                weights_only: bool, verify: bool, config: IOConfig) -> Any:
+    """Read, verify and rebuild object ``name`` of a checkpoint whose directories are ``dirs``."""
+    if name not in manifest.objects:
+        raise CheckpointReadError(f"the checkpoint of step {manifest.step} holds no object {name!r}")
+    entry = manifest.objects[name]
+    small = _read_skeleton(dirs, manifest, name, verify)
+    bases, size = _buffer_layout(entry)
+    buf = aligned_empty(size, pin=False)
+    addr = buf.data_ptr()
+    by_file: dict[int, list[ReadRequest]] = {}
+    for s, base in zip(entry.storages, bases):
+        for e in s.extents:
+            last = e.start + e.nbytes == s.nbytes
+            capacity = (align_up(base + s.nbytes) - base - e.start) if last and s.nbytes >= _PHASE_MIN else e.nbytes
+            by_file.setdefault(e.file, []).append(ReadRequest(e.offset, e.nbytes, addr + base + e.start, capacity, fresh=True))
+    _read_files(dirs, manifest, by_file, config)
+    if verify:
+        _verify(dirs, manifest, name, entry, bases, addr, config.reader_threads)
+    shift = buf.storage_offset()  # the buffer is an aligned view into a larger allocation
+    offsets = {f"data/{s.key}": base + shift for s, base in zip(entry.storages, bases)}
+    where = os.path.join(dirs[0], mf.MANIFEST_NAME)
+    return skeleton.rebuild(where, skeleton.ArchiveView(small, offsets), buf.untyped_storage(),
+                            map_location, weights_only)
+
+
+def _read_files(dirs: Sequence[str], manifest: mf.Manifest, by_file: dict[int, list[ReadRequest]],
+                config: IOConfig) -> None:
+    def one(index: int) -> None:
+        path = _file_path(dirs, manifest, index)
+        try:
+            file = DirectFile(path, os.O_RDONLY, config.direct)
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(f"{path}: a data file of the checkpoint is missing") from e
+        except OSError as e:
+            raise CheckpointReadError(f"cannot open {path}: {e.strerror or e}") from e
+        try:
+            have, want = os.fstat(file.fd).st_size, manifest.files[index].size
+            if have < want:
+                raise CorruptCheckpointError(f"{path} is truncated: {have} bytes, the manifest says {want}")
+            read_into(file, by_file[index], config)
+        finally:
+            file.close()
+
+    files = sorted(by_file)
+    if len(files) <= 1:
+        for f in files:
+            one(f)
+        return
+    with ThreadPoolExecutor(max_workers=min(len(files), 4), thread_name_prefix="fastpersist-files") as ex:
+        for fut in [ex.submit(one, f) for f in files]:
+            fut.result()
+
+
+def _verify(dirs: Sequence[str], manifest: mf.Manifest, name: str, entry: mf.ObjectEntry,
+            bases: Sequence[int], addr: int, threads: int) -> None:
+    work = [(s, e, base) for s, base in zip(entry.storages, bases) for e in s.extents]
+    work.sort(key=lambda w: -w[1].nbytes)
+    bad: list[str] = []
+    lock = threading.Lock()
+
+    def check(item: tuple[mf.StorageEntry, mf.ExtentEntry, int]) -> None:
+        s, e, base = item
+        got = xxhash.xxh3_64_intdigest(memory_view(addr + base + e.start, e.nbytes))
+        if got != e.checksum:
+            path = _file_path(dirs, manifest, e.file)
+            with lock:
+                bad.append(f"{path}: object {name!r} storage {s.key!r} bytes {e.start}..{e.start + e.nbytes} "
+                           f"(file offset {e.offset}) fail their checksum (stored {e.checksum:016x}, read {got:016x})")
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastpersist-verify") as ex:
+        list(ex.map(check, work))
+    if bad:
+        bad.sort()
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ChecksumMismatchError(f"{bad[0]}{more}; the checkpoint is corrupt")

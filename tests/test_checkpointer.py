@@ -1,0 +1,346 @@
+"""The sharded Checkpointer in one process: round trips, roots, retention, bad input, faults."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
+from fastpersist.format import manifest as mf
+from fastpersist.io.backend import FileBackend
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(300_000, generator=g)
+    emb = torch.randn(1000, 64, generator=g)
+    return {
+        "big": big,
+        "view": big[10:5000],  # shares big's storage
+        "emb": emb,
+        "tied": emb,  # the same tensor twice
+        "t": emb.t(),  # non-contiguous
+        "bf16": torch.randn(4097, generator=g).to(torch.bfloat16),
+        "half": torch.randn(33, generator=g).half(),
+        "i8": torch.randint(-100, 100, (4095,), generator=g, dtype=torch.int8),
+        "bool": torch.rand(1, generator=g) > 0.5,
+        "c64": torch.randn(17, generator=g, dtype=torch.complex64),
+        "u8": torch.randint(0, 255, (1,), generator=g, dtype=torch.uint8),
+        "zero_d": torch.tensor(float(seed)),
+        "empty": torch.empty(0),
+        "nested": {"list": [torch.full((3,), seed), seed], "s": f"seed {seed}"},
+        "step": seed,
+    }
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _roots(tmp_path, n: int) -> list[str]:
+    return [str(tmp_path / f"nvme{i}") for i in range(n)]
+
+
+@pytest.mark.parametrize("nroots", [1, 2, 3])
+def test_round_trip_over_roots(tmp_path, small_io, nroots):
+    ck = Checkpointer(_roots(tmp_path, nroots), config=small_io)
+    a, b = _state(1), _state(2)
+    assert not _equal(a, b)
+    ck.save(1, a)
+    ck.save(2, b)
+    got = ck.load(1)
+    assert _equal(got, a) and not _equal(got, b)
+    got = ck.load("latest")
+    assert _equal(got, b)
+    assert got["tied"].untyped_storage().data_ptr() == got["emb"].untyped_storage().data_ptr()
+    assert got["view"].untyped_storage().data_ptr() == got["big"].untyped_storage().data_ptr()
+    # every root received a share
+    for root in ck.roots:
+        assert any(n.endswith(".bin") for n in os.listdir(os.path.join(root, "step-00000002")))
+
+
+def test_balanced_share_per_root(tmp_path, small_io):
+    ck = Checkpointer(_roots(tmp_path, 4), config=small_io)
+    stats = ck.save(3, _state(3))
+    loads = [stats.bytes_per_root[j] for j in range(4)]
+    assert max(loads) - min(loads) <= 2 * 4096
+    assert sum(loads) == stats.bytes_total
+
+
+def test_large_extents_share_memory_phase(tmp_path, small_io):
+    """File offsets of large extents match the memory's alignment phase (so O_DIRECT is zero-copy)."""
+    ck = Checkpointer(_roots(tmp_path, 2), config=small_io)
+    state = {"w": torch.randn(1 << 20)}
+    ck.save(1, state)
+    m = json.loads(open(os.path.join(ck.roots[0], "step-00000001", "manifest.json")).read())
+    phase = state["w"].data_ptr() % 4096
+    for e in m["objects"]["replicated"]["storages"][0]["extents"]:
+        assert (e["offset"] - e["start"]) % 4096 == phase
+
+
+def test_into_restores_module_and_optimizer_in_place(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    def train() -> None:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        sched.step()
+
+    train()
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck.save(1, {"model": model, "optim": opt, "sched": sched, "extra": {"epoch": 3}})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
+    train()
+    assert not all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    extra: dict = {}
+    ck.load("latest", into={"model": model, "optim": opt, "sched": sched, "extra": extra})
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved_opt)
+    assert sched.last_epoch == 1 and extra == {"epoch": 3}
+
+
+def test_rank_state_is_separate(tmp_path):
+    ck = Checkpointer(_roots(tmp_path, 2))
+    ck.save(1, {"w": torch.ones(5)}, rank_state={"rng": torch.get_rng_state(), "mine": torch.arange(70_000)})
+    assert _equal(ck.load_rank_state(1)["mine"], torch.arange(70_000))
+    with pytest.raises(fp.CheckpointReadError, match="rank-00003"):
+        ck.load_rank_state(1, rank=3)
+
+
+def test_list_latest_and_retention(tmp_path):
+    ck = Checkpointer(_roots(tmp_path, 2), keep=2)
+    for step in (1, 2, 3, 4):
+        ck.save(step, {"x": torch.full((10_000,), step)})
+    infos = ck.list()
+    assert [i.step for i in infos] == [3, 4] and [i.latest for i in infos] == [False, True]
+    assert all(i.committed for i in infos)
+    assert sorted(os.listdir(ck.roots[1])) == ["step-00000003", "step-00000004"]
+    assert ck.latest_step() == 4
+
+
+def test_saving_a_step_again_replaces_it(tmp_path, small_io):
+    ck = Checkpointer(_roots(tmp_path, 2), config=small_io)
+    ck.save(5, _state(1))
+    ck.save(5, _state(2))
+    assert _equal(ck.load(5), _state(2))
+    names = [n for r in ck.roots for n in os.listdir(os.path.join(r, "step-00000005"))]
+    ids = {n.split("-")[0] for n in names if n != "manifest.json"}
+    assert len(ids) == 1, names  # the first save's files are gone
+
+
+def test_incomplete_checkpoint_is_not_listed_as_committed(tmp_path):
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck.save(1, {"x": torch.ones(3)})
+    os.makedirs(os.path.join(ck.roots[0], "step-00000002"))  # as a crash would leave it
+    infos = ck.list()
+    assert [(i.step, i.committed) for i in infos] == [(1, True), (2, False)]
+    assert ck.latest_step() == 1
+    with pytest.raises(fp.CheckpointNotFoundError, match="no committed checkpoint"):
+        ck.load(2)
+
+
+def test_latest_pointer_damage_falls_back(tmp_path):
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck.save(1, {"x": torch.ones(3)})
+    ck.save(2, {"x": torch.ones(3) * 2})
+    with open(os.path.join(ck.roots[0], "latest"), "w") as f:
+        f.write("step-00000099\n")
+    assert ck.load()["x"][0] == 2
+
+
+def test_load_checkpoint_and_missing_roots(tmp_path):
+    ck = Checkpointer(_roots(tmp_path, 2))
+    ck.save(7, _state(7))
+    path = os.path.join(ck.roots[0], "step-00000007")
+    assert _equal(load_checkpoint(path, [ck.roots[1]]), _state(7))
+    with pytest.raises(fp.CheckpointReadError, match="only 1 roots were given"):
+        load_checkpoint(path)
+    assert [i.step for i in list_checkpoints(ck.roots[0])] == [7]
+
+
+def test_failing_writer_leaves_no_manifest_and_keeps_latest(tmp_path):
+    class Failing(FileBackend):
+        def before_write(self, root, path, offset, nbytes):
+            if self.armed and root == 1:
+                raise OSError(errno.EIO, "injected I/O error")
+
+    backend = Failing()
+    backend.armed = False
+    ck = Checkpointer(_roots(tmp_path, 2), backend=backend)
+    ck.save(1, _state(1))
+    backend.armed = True
+    with pytest.raises(fp.CheckpointWriteError, match="injected I/O error") as info:
+        ck.save(2, _state(2))
+    assert "rank 0" in str(info.value)
+    for root in ck.roots:
+        assert os.listdir(os.path.join(root, "step-00000002")) == []
+    assert ck.latest_step() == 1 and _equal(ck.load(), _state(1))
+
+
+def test_full_disk_keeps_earlier_checkpoint(tmp_path, small_fs):
+    ck = Checkpointer([small_fs])
+    ck.save(1, {"x": torch.ones(256 * 1024)})  # 1 MiB
+    with pytest.raises(fp.CheckpointWriteError, match="No space left"):
+        ck.save(2, {"x": torch.ones(4 * 1024 * 1024)})  # 16 MiB > 8 MiB tmpfs
+    assert ck.latest_step() == 1 and torch.equal(ck.load()["x"], torch.ones(256 * 1024))
+    assert os.listdir(os.path.join(small_fs, "step-00000002")) == []
+
+
+def test_read_only_root(readonly_fs):
+    with pytest.raises(fp.CheckpointWriteError, match="Read-only"):
+        Checkpointer([os.path.join(readonly_fs, "run")])
+
+
+def test_state_that_cannot_be_saved(tmp_path):
+    ck = Checkpointer(str(tmp_path / "ck"))
+    with pytest.raises(fp.UnsaveableObjectError):
+        ck.save(1, {"f": lambda: 0})
+    assert ck.list() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input on load
+
+
+@pytest.fixture
+def saved(tmp_path):
+    ck = Checkpointer(_roots(tmp_path, 2))
+    ck.save(1, _state(1))
+    step = os.path.join(ck.roots[0], "step-00000001")
+    return ck, step, json.loads(open(os.path.join(step, "manifest.json")).read())
+
+
+def _rewrite(step: str, doc: dict) -> None:
+    with open(os.path.join(step, "manifest.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def _big_extent(doc: dict) -> tuple[dict, dict]:
+    storages = doc["objects"]["replicated"]["storages"]
+    s = max(storages, key=lambda s: s["nbytes"])
+    return s, s["extents"][0]
+
+
+def _data_path(ck, doc: dict, index: int) -> str:
+    f = doc["files"][index]
+    return os.path.join(ck.roots[f["root"]], "step-00000001", f["name"])
+
+
+def test_flipped_byte_names_file_and_storage(saved):
+    ck, step, doc = saved
+    s, e = _big_extent(doc)
+    path = _data_path(ck, doc, e["file"])
+    with open(path, "r+b") as f:
+        f.seek(e["offset"] + 1000)
+        b = f.read(1)
+        f.seek(e["offset"] + 1000)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(fp.ChecksumMismatchError) as info:
+        ck.load(1)
+    msg = str(info.value)
+    assert path in msg and f"storage {s['key']!r}" in msg and str(e["offset"]) in msg
+    got = ck.load(1, verify=False)  # an explicit opt-out reads it anyway
+    assert not _equal(got["big"], _state(1)["big"])
+
+
+def test_missing_data_file(saved):
+    ck, step, doc = saved
+    _, e = _big_extent(doc)
+    os.unlink(_data_path(ck, doc, e["file"]))
+    with pytest.raises(fp.CorruptCheckpointError, match="missing"):
+        ck.load(1)
+
+
+def test_truncated_data_file(saved):
+    ck, step, doc = saved
+    _, e = _big_extent(doc)
+    path = _data_path(ck, doc, e["file"])
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(fp.CorruptCheckpointError, match="truncated"):
+        ck.load(1)
+
+
+def test_newer_manifest_version(saved):
+    ck, step, doc = saved
+    doc["version"] = 99
+    _rewrite(step, doc)
+    with pytest.raises(fp.UnsupportedFormatError, match="version 99.*upgrade"):
+        ck.load(1)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d, s, e: d["files"][e["file"]].update(name="../../etc/passwd"), "not a plain file name"),
+        (lambda d, s, e: d["files"][e["file"]].update(name="/etc/passwd"), "not a plain file name"),
+        (lambda d, s, e: d["files"][e["file"]].update(root=7), "root index 7"),
+        (lambda d, s, e: e.update(start=e["start"] + 8), "hole"),
+        (lambda d, s, e: s["extents"].append(dict(e)), "overlap"),
+        (lambda d, s, e: s.update(nbytes=s["nbytes"] + 1), "cover"),
+        (lambda d, s, e: e.update(offset=10**12), "beyond the end"),
+        (lambda d, s, e: e.update(checksum="xyz"), "16 hex digits"),
+        (lambda d, s, e: e.update(file=99), "file index 99"),
+        (lambda d, s, e: d.pop("objects"), "missing field 'objects'"),
+    ],
+)
+def test_edited_manifest_is_refused(saved, edit, message):
+    ck, step, doc = saved
+    s, e = _big_extent(doc)
+    edit(doc, s, e)
+    _rewrite(step, doc)
+    with pytest.raises(fp.CorruptCheckpointError, match=message) as info:
+        ck.load(1)
+    assert "manifest.json" in str(info.value)
+
+
+def test_overlapping_file_ranges_are_refused(saved):
+    ck, step, doc = saved
+    storages = [s for s in doc["objects"]["replicated"]["storages"] if s["extents"]]
+    a, b = storages[0]["extents"][0], storages[1]["extents"][0]
+    b["file"], b["offset"] = a["file"], a["offset"]
+    _rewrite(step, doc)
+    with pytest.raises(fp.CorruptCheckpointError, match="overlaps"):
+        ck.load(1)
+
+
+def test_not_a_checkpoint(tmp_path):
+    d = tmp_path / "step-00000001"
+    d.mkdir()
+    (d / "manifest.json").write_text('{"hello": 1}')
+    with pytest.raises(fp.CorruptCheckpointError, match="not a fastpersist manifest"):
+        load_checkpoint(str(d))
+    with pytest.raises(fp.CheckpointNotFoundError):
+        load_checkpoint(str(tmp_path / "nothing"))
+    with pytest.raises(fp.CheckpointNotFoundError):
+        Checkpointer(str(tmp_path / "empty")).load()
+
+
+def test_skeleton_that_runs_code_is_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    ck = Checkpointer(str(tmp_path / "ck"))
+    ck.save(1, {"x": Evil()})
+    with pytest.raises(fp.CheckpointReadError, match="weights-only"):
+        ck.load(1)
+
+
+def test_manifest_parse_is_strict_on_raw_garbage():
+    with pytest.raises(fp.CorruptCheckpointError, match="not valid JSON"):
+        mf.parse("m.json", b"\x00\x01")

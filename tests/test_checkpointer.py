@@ -57,8 +57,8 @@ def test_round_trip_over_roots(tmp_path, small_io, nroots):
     ck = Checkpointer(_roots(tmp_path, nroots), config=small_io)
     a, b = _state(1), _state(2)
     assert not _equal(a, b)
-    ck.save(1, a)
-    ck.save(2, b)
+    ck.save(1, a).wait()
+    ck.save(2, b).wait()
     got = ck.load(1)
     assert _equal(got, a) and not _equal(got, b)
     got = ck.load("latest")
@@ -72,7 +72,7 @@ def test_round_trip_over_roots(tmp_path, small_io, nroots):
 
 def test_balanced_share_per_root(tmp_path, small_io):
     ck = Checkpointer(_roots(tmp_path, 4), config=small_io)
-    stats = ck.save(3, _state(3))
+    stats = ck.save(3, _state(3)).wait()
     loads = [stats.bytes_per_root[j] for j in range(4)]
     assert max(loads) - min(loads) <= 2 * 4096
     assert sum(loads) == stats.bytes_total
@@ -80,9 +80,9 @@ def test_balanced_share_per_root(tmp_path, small_io):
 
 def test_large_extents_share_memory_phase(tmp_path, small_io):
     """File offsets of large extents match the memory's alignment phase (so O_DIRECT is zero-copy)."""
-    ck = Checkpointer(_roots(tmp_path, 2), config=small_io)
+    ck = Checkpointer(_roots(tmp_path, 2), config=small_io, mode="sync")  # written from the tensor itself
     state = {"w": torch.randn(1 << 20)}
-    ck.save(1, state)
+    ck.save(1, state).wait()
     m = json.loads(open(os.path.join(ck.roots[0], "step-00000001", "manifest.json")).read())
     phase = state["w"].data_ptr() % 4096
     for e in m["objects"]["replicated"]["storages"][0]["extents"]:
@@ -102,7 +102,7 @@ def test_into_restores_module_and_optimizer_in_place(tmp_path):
 
     train()
     ck = Checkpointer(str(tmp_path / "ck"))
-    ck.save(1, {"model": model, "optim": opt, "sched": sched, "extra": {"epoch": 3}})
+    ck.save(1, {"model": model, "optim": opt, "sched": sched, "extra": {"epoch": 3}}).wait()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
     train()
@@ -116,7 +116,7 @@ def test_into_restores_module_and_optimizer_in_place(tmp_path):
 
 def test_rank_state_is_separate(tmp_path):
     ck = Checkpointer(_roots(tmp_path, 2))
-    ck.save(1, {"w": torch.ones(5)}, rank_state={"rng": torch.get_rng_state(), "mine": torch.arange(70_000)})
+    ck.save(1, {"w": torch.ones(5)}, rank_state={"rng": torch.get_rng_state(), "mine": torch.arange(70_000)}).wait()
     assert _equal(ck.load_rank_state(1)["mine"], torch.arange(70_000))
     with pytest.raises(fp.CheckpointReadError, match="rank-00003"):
         ck.load_rank_state(1, rank=3)
@@ -125,7 +125,7 @@ def test_rank_state_is_separate(tmp_path):
 def test_list_latest_and_retention(tmp_path):
     ck = Checkpointer(_roots(tmp_path, 2), keep=2)
     for step in (1, 2, 3, 4):
-        ck.save(step, {"x": torch.full((10_000,), step)})
+        ck.save(step, {"x": torch.full((10_000,), step)}).wait()
     infos = ck.list()
     assert [i.step for i in infos] == [3, 4] and [i.latest for i in infos] == [False, True]
     assert all(i.committed for i in infos)
@@ -135,8 +135,8 @@ def test_list_latest_and_retention(tmp_path):
 
 def test_saving_a_step_again_replaces_it(tmp_path, small_io):
     ck = Checkpointer(_roots(tmp_path, 2), config=small_io)
-    ck.save(5, _state(1))
-    ck.save(5, _state(2))
+    ck.save(5, _state(1)).wait()
+    ck.save(5, _state(2)).wait()
     assert _equal(ck.load(5), _state(2))
     names = [n for r in ck.roots for n in os.listdir(os.path.join(r, "step-00000005"))]
     ids = {n.split("-")[0] for n in names if n != "manifest.json"}
@@ -145,7 +145,7 @@ def test_saving_a_step_again_replaces_it(tmp_path, small_io):
 
 def test_incomplete_checkpoint_is_not_listed_as_committed(tmp_path):
     ck = Checkpointer(str(tmp_path / "ck"))
-    ck.save(1, {"x": torch.ones(3)})
+    ck.save(1, {"x": torch.ones(3)}).wait()
     os.makedirs(os.path.join(ck.roots[0], "step-00000002"))  # as a crash would leave it
     infos = ck.list()
     assert [(i.step, i.committed) for i in infos] == [(1, True), (2, False)]
@@ -156,8 +156,8 @@ def test_incomplete_checkpoint_is_not_listed_as_committed(tmp_path):
 
 def test_latest_pointer_damage_falls_back(tmp_path):
     ck = Checkpointer(str(tmp_path / "ck"))
-    ck.save(1, {"x": torch.ones(3)})
-    ck.save(2, {"x": torch.ones(3) * 2})
+    ck.save(1, {"x": torch.ones(3)}).wait()
+    ck.save(2, {"x": torch.ones(3) * 2}).wait()
     with open(os.path.join(ck.roots[0], "latest"), "w") as f:
         f.write("step-00000099\n")
     assert ck.load()["x"][0] == 2
@@ -165,7 +165,7 @@ def test_latest_pointer_damage_falls_back(tmp_path):
 
 def test_load_checkpoint_and_missing_roots(tmp_path):
     ck = Checkpointer(_roots(tmp_path, 2))
-    ck.save(7, _state(7))
+    ck.save(7, _state(7)).wait()
     path = os.path.join(ck.roots[0], "step-00000007")
     assert _equal(load_checkpoint(path, [ck.roots[1]]), _state(7))
     with pytest.raises(fp.CheckpointReadError, match="only 1 roots were given"):
@@ -182,10 +182,10 @@ def test_failing_writer_leaves_no_manifest_and_keeps_latest(tmp_path):
     backend = Failing()
     backend.armed = False
     ck = Checkpointer(_roots(tmp_path, 2), backend=backend)
-    ck.save(1, _state(1))
+    ck.save(1, _state(1)).wait()
     backend.armed = True
     with pytest.raises(fp.CheckpointWriteError, match="injected I/O error") as info:
-        ck.save(2, _state(2))
+        ck.save(2, _state(2)).wait()
     assert "rank 0" in str(info.value)
     for root in ck.roots:
         assert os.listdir(os.path.join(root, "step-00000002")) == []
@@ -194,9 +194,9 @@ def test_failing_writer_leaves_no_manifest_and_keeps_latest(tmp_path):
 
 def test_full_disk_keeps_earlier_checkpoint(tmp_path, small_fs):
     ck = Checkpointer([small_fs])
-    ck.save(1, {"x": torch.ones(256 * 1024)})  # 1 MiB
+    ck.save(1, {"x": torch.ones(256 * 1024)}).wait()  # 1 MiB
     with pytest.raises(fp.CheckpointWriteError, match="No space left"):
-        ck.save(2, {"x": torch.ones(4 * 1024 * 1024)})  # 16 MiB > 8 MiB tmpfs
+        ck.save(2, {"x": torch.ones(4 * 1024 * 1024)}).wait()  # 16 MiB > 8 MiB tmpfs
     assert ck.latest_step() == 1 and torch.equal(ck.load()["x"], torch.ones(256 * 1024))
     assert os.listdir(os.path.join(small_fs, "step-00000002")) == []
 
@@ -209,7 +209,7 @@ def test_read_only_root(readonly_fs):
 def test_state_that_cannot_be_saved(tmp_path):
     ck = Checkpointer(str(tmp_path / "ck"))
     with pytest.raises(fp.UnsaveableObjectError):
-        ck.save(1, {"f": lambda: 0})
+        ck.save(1, {"f": lambda: 0}).wait()
     assert ck.list() == []
 
 
@@ -220,7 +220,7 @@ def test_state_that_cannot_be_saved(tmp_path):
 @pytest.fixture
 def saved(tmp_path):
     ck = Checkpointer(_roots(tmp_path, 2))
-    ck.save(1, _state(1))
+    ck.save(1, _state(1)).wait()
     step = os.path.join(ck.roots[0], "step-00000001")
     return ck, step, json.loads(open(os.path.join(step, "manifest.json")).read())
 
@@ -336,7 +336,7 @@ def test_skeleton_that_runs_code_is_refused(tmp_path):
             return (os.system, ("true",))
 
     ck = Checkpointer(str(tmp_path / "ck"))
-    ck.save(1, {"x": Evil()})
+    ck.save(1, {"x": Evil()}).wait()
     with pytest.raises(fp.CheckpointReadError, match="weights-only"):
         ck.load(1)
 

@@ -34,3 +34,27 @@ def test_table_reports_ratios_of_medians():
     assert "| fastpersist.save / device write | 0.80 |" in out
     assert "| fastpersist.save / torch.save+fsync | 4.80 |" in out
     assert "| fastpersist.load / device read | 0.90 |" in out
+
+
+def test_ls_and_convert(tmp_path, capsys):
+    import os
+
+    import torch
+
+    from fastpersist.checkpointer import Checkpointer
+
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    ck = Checkpointer(roots)
+    state = {"w": torch.randn(50_000), "n": 3}
+    ck.save(1, {"w": torch.zeros(3), "n": 0}).wait()
+    ck.save(2, state).wait()
+    os.makedirs(os.path.join(roots[0], "step-00000003"))
+    assert main(["ls", roots[0]]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in out[1:]] == [["1", "committed"], ["2", "latest"], ["3", "incomplete"]]
+    target = str(tmp_path / "out.pt")
+    assert main(["convert", os.path.join(roots[0], "step-00000002"), target, "--root", roots[1]]) == 0
+    got = torch.load(target)
+    assert torch.equal(got["w"], state["w"]) and got["n"] == 3
+    assert main(["convert", os.path.join(roots[0], "step-00000002"), target]) == 1
+    assert "only 1 roots were given" in capsys.readouterr().err

@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, init: str, roots: list[str], task: str, out: 
     try:
         if task == "save":
             ck = Checkpointer(roots)
-            stats = ck.save(4, replicated(4), rank_state=per_rank(4, rank))
+            stats = ck.save(4, replicated(4), rank_state=per_rank(4, rank)).wait()
             # load at the same world size, every rank, right after
             if not _equal(ck.load(4), replicated(4)) or not _equal(ck.load_rank_state(4), per_rank(4, rank)):
                 raise RuntimeError(f"rank {rank}: loaded state differs")
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, init: str, roots: list[str], task: str, out: 
         elif task == "fail":
             ck = Checkpointer(roots, backend=FailOnRank(2))
             try:
-                ck.save(9, replicated(9))
+                ck.save(9, replicated(9)).wait()
             except fp.CheckpointWriteError as e:
                 message = str(e)
             else:
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, init: str, roots: list[str], task: str, out: 
                 f.write(message)
         elif task == "node":
             ck = Checkpointer(roots, writers="node")
-            stats = ck.save(11, replicated(11))
+            stats = ck.save(11, replicated(11)).wait()
             with open(os.path.join(out, f"stats{rank}.json"), "w") as f:
                 json.dump({"written": stats.bytes_written, "total": stats.bytes_total}, f)
     except BaseException:
@@ -145,16 +145,17 @@ def test_load_at_other_world_sizes(four_rank_checkpoint, world):
 
 def test_failure_on_rank_two_raises_everywhere(tmp_path):
     roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
-    Checkpointer(roots).save(8, replicated(8))  # world size 1: the previous checkpoint
+    Checkpointer(roots).save(8, replicated(8)).wait()  # world size 1: the previous checkpoint
     out = _run(tmp_path, 4, roots, "fail")
     for r in range(4):
         msg = open(os.path.join(out, f"error{r}.txt")).read()
         assert "failed on rank 2:" in msg and "injected EIO on rank 2" in msg, (r, msg)
     assert not os.path.exists(os.path.join(roots[0], "step-00000009", "manifest.json"))
-    ck = Checkpointer(roots)
-    assert ck.latest_step() == 8 and _equal(ck.load(), replicated(8))
     leftovers = [n for root in roots for n in os.listdir(os.path.join(root, "step-00000009"))]
-    assert leftovers == []
+    assert leftovers == []  # every rank removed what it wrote
+    ck = Checkpointer(roots)  # and start-up removes the empty directories
+    assert not os.path.exists(os.path.join(roots[0], "step-00000009"))
+    assert ck.latest_step() == 8 and _equal(ck.load(), replicated(8))
 
 
 def test_one_writer_per_node(tmp_path):

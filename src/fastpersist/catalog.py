@@ -140,3 +140,36 @@ def remove_files(roots: Sequence[str], step: int, prefix: str, keep: set[tuple[i
                     os.unlink(os.path.join(d, f))
                 except OSError as e:
                     logger.warning("fastpersist: could not remove %s: %s", os.path.join(d, f), e)
+
+
+def clean_incomplete(roots: Sequence[str]) -> list[str]:
+    """Remove what a crashed run left: checkpoint directories without a committed manifest
+    (in every root) and temporary files of interrupted atomic writes. Returns what was removed.
+
+    Only call this when no save of this job can be running (the Checkpointer does it at
+    start-up, on the coordinator, before any save).
+    """
+    removed = []
+    committed = {e.step for e in scan(roots[0]) if e.committed}
+    for root in roots:
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(root, name)
+            step = parse_step_dir(name)
+            if step is not None and step not in committed and os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            elif step is not None and os.path.isdir(path):
+                for f in os.listdir(path):
+                    if TEMP_SUFFIX in f:
+                        os.unlink(os.path.join(path, f))
+                        removed.append(os.path.join(path, f))
+            elif TEMP_SUFFIX in name:
+                os.unlink(path)
+                removed.append(path)
+    if removed:
+        logger.info("fastpersist: removed %d leftovers of an interrupted run: %s", len(removed), ", ".join(removed[:5]))
+    return removed

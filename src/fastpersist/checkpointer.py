@@ -20,40 +20,30 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import secrets
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from fastpersist import catalog, sharded
 from fastpersist.config import IOConfig, get_config
 from fastpersist.dist import Comm, agree, default_comm, host_name, writer_ranks
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 from fastpersist.format import manifest as mf
+from fastpersist.handle import SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
-from fastpersist.io.buffers import shared_pool
+from fastpersist.io.buffers import align_up
 from fastpersist.plan import Extent, plan, plan_digest
+from fastpersist.retention import Retention
+from fastpersist.stage import Arena, copy_into, guarded_storages, snapshot_bytes, storage_key
 from fastpersist.state import restore_into, to_saveable
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """What one save did, on this rank and overall."""
-
-    step: int
-    bytes_total: int  # data bytes in the checkpoint (all objects, all ranks)
-    bytes_written: int  # data bytes this rank wrote
-    bytes_per_root: dict[int, int]  # data bytes this rank wrote, per root index
-    seconds: float  # wall time of the whole save on this rank (until committed)
-    write_seconds: float  # of which writing this rank's files
-
-    @property
-    def gbps(self) -> float:
-        """Checkpoint bytes per second of save time, in GB/s."""
-        return self.bytes_total / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -77,39 +67,83 @@ class _Written:
     objects: dict[str, tuple[list[str], list[int]]]  # objects whose skeleton this rank wrote
 
 
+MODES = ("sync", "snapshot", "overlap")
+_WHEN_BUSY = ("wait", "skip")
+
+
+@dataclass
+class _Job:
+    step: int
+    rep: sharded.Prepared
+    own: sharded.Prepared | None
+    metadata: Mapping[str, Any] | None
+    handle: SaveHandle
+    started: float
+    uses_arena: bool = False
+    live: bool = False  # writes from live (guarded) memory
+
+
 class Checkpointer:
     """Save and load sharded checkpoints under one or more roots (one per SSD).
 
     ``roots``: directories (one path or a list), the same list on every rank; each rank writes
-    its share to its node's roots. ``writers``: who writes replicated state, ``"all"`` ranks
-    (default), ``"node"`` (one per host), ``N`` (the first N ranks of each host) or a list of
-    ranks. ``keep``: how many committed checkpoints to keep (None keeps all). ``comm`` and
-    ``backend`` are the coordination and file seams (defaults: a private gloo group when
-    torch.distributed is initialised, and real files). Every rank must construct the
-    Checkpointer, in the same order relative to other process-group creation.
+    its share to its node's roots. ``mode``: ``"snapshot"`` (default: copy the state into a
+    bounded host arena inside save(), write in the background), ``"overlap"`` (the FastPersist
+    mode: tensors of protected optimizers are written from live memory while the next
+    iteration runs, see :meth:`protect`; everything else is copied), or ``"sync"`` (save()
+    returns when committed). ``snapshot_bytes``: the arena's budget; a state larger than it is
+    written synchronously through the fixed staging pool instead of growing memory.
+    ``max_in_flight`` checkpoints may be pending at once; beyond that save() waits
+    (``when_busy="wait"``) or skips the checkpoint (``"skip"``). ``keep`` / ``keep_every``:
+    retention (last K committed, plus every M-th step). ``writers``: who writes replicated
+    state, ``"all"`` ranks (default), ``"node"``, ``N`` per node or a list of ranks. ``comm``
+    and ``backend`` are the coordination and file seams. Every rank must construct the
+    Checkpointer (it creates its own gloo groups when torch.distributed is initialised).
     """
 
     def __init__(
         self,
         roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         *,
+        mode: str = "snapshot",
         keep: int | None = None,
+        keep_every: int | None = None,
+        max_in_flight: int = 1,
+        when_busy: str = "wait",
+        snapshot_bytes: int = 2 << 30,
         writers: str | int | Sequence[int] = "all",
         comm: Comm | None = None,
         backend: FileBackend | None = None,
         config: IOConfig | None = None,
         timeout_s: float = 600.0,
+        clean_start: bool = True,
     ) -> None:
         paths = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
         if not paths:
             raise CheckpointError("a Checkpointer needs at least one root directory")
+        if mode not in MODES:
+            raise CheckpointError(f"mode must be one of {MODES}, got {mode!r}")
+        if when_busy not in _WHEN_BUSY:
+            raise CheckpointError(f"when_busy must be one of {_WHEN_BUSY}, got {when_busy!r}")
+        if max_in_flight < 1:
+            raise CheckpointError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.roots = [os.path.abspath(os.fspath(r)) for r in paths]
-        if keep is not None and keep < 1:
-            raise CheckpointError(f"keep must be at least 1 (or None to keep all), got {keep}")
-        self.keep = keep
+        self.mode = mode
+        self.retention = Retention(keep, keep_every)
+        self.max_in_flight = max_in_flight
+        self.when_busy = when_busy
         self.comm = comm if comm is not None else default_comm(timeout_s)
         self.backend = backend or FileBackend()
         self._config = config
+        self._arena = Arena(snapshot_bytes)
+        self._protected: list[torch.optim.Optimizer] = []
+        self._hooks: list[Any] = []
+        self._lock = threading.Lock()
+        self._in_flight: list[_Job] = []
+        self._failed: list[SaveHandle] = []
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self.history: list[SaveMetrics] = []  # metrics of every save, in order
         hosts = self.comm.all_gather(host_name())
         self.writer_ranks = writer_ranks(writers, hosts)
         for root in self.roots:
@@ -117,6 +151,8 @@ class Checkpointer:
                 self.backend.makedirs(root)
             except OSError as e:
                 raise CheckpointWriteError(f"cannot create checkpoint root {root}: {e.strerror or e}") from e
+        if clean_start and self.rank == 0:
+            catalog.clean_incomplete(self.roots)
 
     @property
     def config(self) -> IOConfig:
@@ -127,23 +163,180 @@ class Checkpointer:
         return self.comm.rank
 
     # -----------------------------------------------------------------------------------------
+    # the overlap guard
+
+    def protect(self, optimizer: torch.optim.Optimizer) -> None:
+        """Write ``optimizer``'s parameters and state from live memory (overlap mode).
+
+        ``optimizer.step()`` then waits, through a step pre-hook, until every in-flight
+        checkpoint has written them; nothing else about training waits. Parameters must change
+        only inside this optimizer's step.
+        """
+        if optimizer in self._protected:
+            return
+        self._protected.append(optimizer)
+        self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def _guarded(self) -> set[tuple[str, int]]:
+        tensors = []
+        for opt in self._protected:
+            for group in opt.param_groups:
+                tensors += [p for p in group["params"] if isinstance(p, torch.Tensor)]
+            for st in opt.state.values():
+                tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return guarded_storages(tensors)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        with self._lock:
+            jobs = [j for j in self._in_flight if j.live]
+        for job in jobs:
+            t0 = time.perf_counter()
+            job.handle._wait_data_written()
+            job.handle.metrics.step_wait_s += time.perf_counter() - t0
+        self._raise_failed()
+
+    # -----------------------------------------------------------------------------------------
     # save
 
     def save(self, step: int, state: Any, *, rank_state: Any = None,
-             metadata: Mapping[str, Any] | None = None) -> SaveStats:
-        """Save a checkpoint of ``state`` as step ``step`` (a collective: call on every rank).
+             metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+        """Checkpoint ``state`` as step ``step`` (call on every rank); returns a handle.
 
-        ``state`` must be the same on every rank (replicated: model weights, optimizer state of
-        a data-parallel job, the step); it is written once, split over all writers. Pass what
-        differs per rank (a rank's optimizer shard, its RNG state) as ``rank_state``: each rank
-        writes its own. Stateful objects are saved through their ``state_dict()``.
-        ``metadata`` (JSON-serializable) is stored in the manifest. Returns when the checkpoint
-        is committed; raises :class:`CheckpointWriteError` on every rank if any rank fails.
+        ``state`` must be the same on every rank (replicated: model weights, the optimizer
+        state of a data-parallel job, the step); it is written once, split over all writers.
+        Pass what differs per rank (its optimizer shard, its RNG state) as ``rank_state``.
+        Stateful objects are saved through ``state_dict()``. ``metadata`` (JSON) goes into the
+        manifest. What is saved is the state at this call, bit for bit, whatever training does
+        next. An earlier checkpoint's background failure is raised here (once).
         """
-        start = time.perf_counter()
-        name = catalog.step_dir(step)
+        t0 = time.perf_counter()
+        name = catalog.step_dir(step)  # validates the step
+        self._raise_failed()
+        handle = SaveHandle(SaveMetrics(step, self.mode))
+        if not self._make_room(handle):
+            return handle
         rep = sharded.prepare(mf.REPLICATED, to_saveable(state))
         own = sharded.prepare(mf.rank_object(self.rank), to_saveable(rank_state)) if rank_state is not None else None
+        job = _Job(step, rep, own, metadata, handle, t0)
+        inline = self.mode == "sync" or not self._stage(job)
+        if inline:
+            try:
+                self._run(job)
+            except BaseException as e:
+                handle._finish(e)
+                handle.reported = True
+                raise
+            finally:
+                self._release(job)
+            handle.metrics.save_call_s = time.perf_counter() - t0
+            handle._finish()
+            self._log(handle.metrics)
+            return handle
+        handle.metrics.save_call_s = time.perf_counter() - t0
+        with self._lock:
+            self._in_flight.append(job)
+        self._ensure_worker()
+        self._queue.put(job)
+        logger.debug("fastpersist: checkpoint %s queued (%s, %.1f ms in save())", name, self.mode,
+                     handle.metrics.save_call_s * 1e3)
+        return handle
+
+    def _make_room(self, handle: SaveHandle) -> bool:
+        """Back-pressure: False if this checkpoint is skipped."""
+        with self._lock:
+            busy = len(self._in_flight) >= self.max_in_flight
+        if self.comm.world_size > 1:  # every rank must take the same decision
+            busy = any(self.comm.all_gather(busy, channel="control"))
+        if not busy:
+            return True
+        if self.when_busy == "skip":
+            handle.metrics.skipped = True
+            handle._finish()
+            self.history.append(handle.metrics)
+            logger.info("fastpersist: checkpoint step %d skipped: %d still in flight", handle.step, self.max_in_flight)
+            return False
+        handle.metrics.waited_for_previous = True
+        while True:
+            with self._lock:
+                if len(self._in_flight) < self.max_in_flight:
+                    return True
+                oldest = self._in_flight[0].handle
+            oldest._done.wait()
+            self._raise_failed()
+
+    def _stage(self, job: _Job) -> bool:
+        """Copy what must be copied now; False when it does not fit (then the save is inline)."""
+        live = self._guarded() if self.mode == "overlap" else set()
+        storages = job.rep.storages + (job.own.storages if job.own else [])
+        need = snapshot_bytes(storages, live)
+        if not self._arena.fits(need):
+            logger.info("fastpersist: checkpoint step %d needs %.1f MB of snapshot memory, over the budget of "
+                        "%.1f MB: writing it now, through the staging pool", job.step, need / 1e6, self._arena.budget / 1e6)
+            return False
+        job.live = bool(live) and any(storage_key(s) in live for s in storages)
+        if need:
+            arena = self._arena.take(need)
+            job.uses_arena = True
+            copied = copy_into(job.rep.storages, live, arena)
+            if job.own:
+                used = sum(align_up(s.nbytes()) for s in job.rep.storages if storage_key(s) not in live)
+                copied += copy_into(job.own.storages, live, arena[align_up(used):])
+            job.handle.metrics.bytes_copied = copied
+        return True
+
+    def _release(self, job: _Job) -> None:
+        if job.uses_arena:
+            job.uses_arena = False
+            self._arena.give_back()
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="fastpersist-checkpointer", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            error: BaseException | None = None
+            try:
+                self._run(job)
+            except BaseException as e:  # noqa: BLE001 - reported through the handle
+                error = e
+            finally:
+                self._release(job)
+            job.handle._finish(error)
+            with self._lock:
+                self._in_flight.remove(job)
+                if error is not None:
+                    self._failed.append(job.handle)
+            if error is None:
+                self._log(job.handle.metrics)
+            else:
+                logger.error("fastpersist: checkpoint step %d failed: %s", job.step, error)
+
+    def _raise_failed(self) -> None:
+        """Raise the first background failure not yet seen by the caller."""
+        with self._lock:
+            pending = [h for h in self._failed if not h.reported]
+            self._failed = []
+        for h in pending[1:]:
+            h.reported = True
+        if pending:
+            pending[0].reported = True
+            raise pending[0]._error  # type: ignore[misc]
+
+    def _log(self, m: SaveMetrics) -> None:
+        self.history.append(m)
+        logger.info("fastpersist: checkpoint step %d committed (%s): %.1f MB in %.3f s (%.2f GB/s); training "
+                    "blocked %.1f ms (save %.1f + step %.1f); wrote %.1f MB on this rank in %.3f s",
+                    m.step, m.mode, m.bytes_total / 1e6, m.total_s, m.gbps, m.blocked_s * 1e3, m.save_call_s * 1e3,
+                    m.step_wait_s * 1e3, m.bytes_written / 1e6, m.write_s)
+
+    def _run(self, job: _Job) -> None:
+        """The save protocol (see the module docstring); in the worker thread or inline."""
+        step, rep, own = job.step, job.rep, job.own
         slots = [(r, j) for r in self.writer_ranks for j in range(len(self.roots))]
         digest = plan_digest(rep.sizes, len(slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
         proposals = agree(self.comm, f"preparing checkpoint step {step}", lambda: (digest, secrets.token_hex(6)))
@@ -159,30 +352,33 @@ class Checkpointer:
         t_write = time.perf_counter()
         try:
             written = agree(self.comm, f"writing checkpoint step {step}",
-                            lambda: self._write(name, save_id, rep, own, extents, slots))
-            write_seconds = time.perf_counter() - t_write
+                            lambda: self._write(catalog.step_dir(step), save_id, job, extents, slots))
+            job.handle.metrics.write_s = time.perf_counter() - t_write
             agree(self.comm, f"committing checkpoint step {step}",
-                  lambda: self._commit(step, save_id, written, metadata) if self.rank == 0 else None)
+                  lambda: self._commit(step, save_id, written, job.metadata) if self.rank == 0 else None)
         except CheckpointError:
             if not self._is_committed(step, save_id):  # a failure after the commit point keeps the files
                 catalog.remove_files(self.roots, step, f"{save_id}-")
             raise
         if self.rank == 0:
-            self._after_commit(step, save_id, written)
-        mine = written[self.rank].reports
-        per_root: dict[int, int] = {}
-        for r in mine:
-            per_root[r.root] = per_root.get(r.root, 0) + sum(e.nbytes for e in r.extents)
-        total = sum(e.nbytes for w in written for r in w.reports for e in r.extents)
-        stats = SaveStats(step, total, sum(per_root.values()), per_root, time.perf_counter() - start, write_seconds)
-        logger.info("fastpersist: checkpoint step %d committed: %.1f MB in %.3f s (%.2f GB/s), this rank wrote %.1f MB",
-                    step, total / 1e6, stats.seconds, stats.gbps, stats.bytes_written / 1e6)
-        return stats
+            self._after_commit(step, written)
+        m = job.handle.metrics
+        for r in written[self.rank].reports:
+            m.bytes_per_root[r.root] = m.bytes_per_root.get(r.root, 0) + sum(e.nbytes for e in r.extents)
+        m.bytes_written = sum(m.bytes_per_root.values())
+        m.bytes_total = sum(e.nbytes for w in written for r in w.reports for e in r.extents)
+        m.total_s = time.perf_counter() - job.started
 
-    def _write(self, name: str, save_id: str, rep: sharded.Prepared, own: sharded.Prepared | None,
-               extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
+    def _write(self, name: str, save_id: str, job: _Job, extents: list[Extent],
+               slots: list[tuple[int, int]]) -> _Written:
+        try:
+            return self._write_files(name, save_id, job.rep, job.own, extents, slots)
+        finally:
+            job.handle._data_written.set()  # live tensors are no longer read (written, or failed)
+
+    def _write_files(self, name: str, save_id: str, rep: sharded.Prepared, own: sharded.Prepared | None,
+                     extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
         cfg = self.config
-        pool = shared_pool(cfg.chunk_bytes, cfg.num_buffers)
         dirs = [os.path.join(root, name) for root in self.roots]
         for d in dirs:
             try:
@@ -197,7 +393,7 @@ class Checkpointer:
                 mine = [e for e in extents if e.slot == s]
                 jobs.append((mine, j, os.path.join(dirs[j], f"{save_id}-{rep.name}-{s:04d}.bin")))
         if jobs:
-            reports += sharded.write_slots(rep, jobs, self.backend, cfg, pool)
+            reports += sharded.write_slots(rep, jobs, self.backend, cfg)
         if self.rank == 0:
             path = os.path.join(dirs[0], f"{save_id}-{rep.name}.skel")
             reports.append(sharded.write_skeleton(rep, 0, path, self.backend))
@@ -206,7 +402,7 @@ class Checkpointer:
             own_extents = plan(own.sizes, len(self.roots))
             own_jobs = [([e for e in own_extents if e.slot == j], j,
                          os.path.join(dirs[j], f"{save_id}-{own.name}-{j:04d}.bin")) for j in range(len(self.roots))]
-            reports += sharded.write_slots(own, own_jobs, self.backend, cfg, pool)
+            reports += sharded.write_slots(own, own_jobs, self.backend, cfg)
             path = os.path.join(dirs[0], f"{save_id}-{own.name}.skel")
             reports.append(sharded.write_skeleton(own, 0, path, self.backend))
             objects[own.name] = (own.keys, own.sizes)
@@ -242,17 +438,48 @@ class Checkpointer:
         except CheckpointError:
             return False
 
-    def _after_commit(self, step: int, save_id: str, written: list[_Written]) -> None:
+    def _after_commit(self, step: int, written: list[_Written]) -> None:
         """Coordinator: drop files of an earlier save of the same step, then apply retention."""
         keep = {(r.root, r.name) for w in written for r in w.reports}
         catalog.remove_files(self.roots, step, "", keep=keep)
-        if self.keep is None:
-            return
         committed = [e.step for e in catalog.scan(self.roots[0]) if e.committed]
-        latest = catalog.read_latest(self.roots[0])
-        for old in committed[: max(0, len(committed) - self.keep)]:
-            if old not in (step, latest):
-                catalog.remove_checkpoint(self.roots, old, self.backend)
+        with self._lock:
+            protected = {j.step for j in self._in_flight} | {step}
+        for old in self.retention.to_delete(committed, catalog.read_latest(self.roots[0]), protected):
+            catalog.remove_checkpoint(self.roots, old, self.backend)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every checkpoint in flight; raises the first failure not yet raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = [j.handle for j in self._in_flight]
+            if not pending:
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not pending[0]._done.wait(left):
+                raise TimeoutError(f"checkpoint step {pending[0].step} is still in flight after {timeout} s")
+        self._raise_failed()
+
+    def close(self) -> None:
+        """Wait for checkpoints in flight, stop the background thread, remove the guards."""
+        try:
+            self.wait()
+        finally:
+            if self._worker is not None:
+                self._queue.put(None)
+                self._worker.join()
+                self._worker = None
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            self._protected.clear()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -----------------------------------------------------------------------------------------
     # load

@@ -31,9 +31,10 @@ class Comm(Protocol):
     rank: int
     world_size: int
 
-    def all_gather(self, obj: Any) -> list[Any]: ...
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+    def all_gather(self, obj: Any, channel: str = "work") -> list[Any]:
+        """Gather ``obj`` from every rank. ``channel`` "work" is used by the thread that runs
+        saves, "control" by the training thread; the two never share a group."""
+        ...
 
 
 class LocalComm:
@@ -42,11 +43,8 @@ class LocalComm:
     rank = 0
     world_size = 1
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: Any, channel: str = "work") -> list[Any]:
         return [obj]
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
 
 
 class GlooComm:
@@ -58,23 +56,20 @@ class GlooComm:
         self._dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Two groups: the background save thread and the training thread each have their own,
+        # so their collectives can never interleave.
+        self.groups = {"work": dist.new_group(backend="gloo", timeout=timeout),
+                       "control": dist.new_group(backend="gloo", timeout=timeout)}
+        self.group = self.groups["work"]
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: Any, channel: str = "work") -> list[Any]:
         out: list[Any] = [None] * self.world_size
         try:
-            self._dist.all_gather_object(out, obj, group=self.group)
+            self._dist.all_gather_object(out, obj, group=self.groups[channel])
         except RuntimeError as e:  # gloo reports a dead or silent peer as a RuntimeError
             raise CheckpointError(f"checkpoint coordination failed on rank {self.rank}: {e}") from e
         return out
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        box = [obj]
-        try:
-            self._dist.broadcast_object_list(box, src=src, group=self.group)
-        except RuntimeError as e:
-            raise CheckpointError(f"checkpoint coordination failed on rank {self.rank}: {e}") from e
-        return box[0]
 
 
 def default_comm(timeout_s: float = 600.0) -> Comm:

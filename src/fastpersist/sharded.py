@@ -17,6 +17,7 @@ loader; the object's tensors are views of that buffer, with no copy after the re
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import threading
@@ -38,7 +39,7 @@ from fastpersist.errors import (
 from fastpersist.format import manifest as mf
 from fastpersist.format import skeleton, torchzip
 from fastpersist.io.backend import FileBackend
-from fastpersist.io.buffers import ALIGN, BufferPool, align_up, aligned_empty, memory_view
+from fastpersist.io.buffers import ALIGN, BufferPool, align_up, aligned_empty, memory_view, shared_pool
 from fastpersist.io.files import DirectFile
 from fastpersist.io.reader import ReadRequest, read_into
 from fastpersist.io.writer import Piece, write_pieces
@@ -155,18 +156,35 @@ def write_file(prepared: Prepared, extents: Sequence[Extent], root: int, path: s
     )
 
 
-def write_slots(prepared: Prepared, jobs: Sequence[tuple[Sequence[Extent], int, str]],
-                backend: FileBackend, config: IOConfig, pool: BufferPool) -> list[FileReport]:
-    """Write several slot files at once (one thread each; each with its own writer threads).
+def lane_config(config: IOConfig, lanes: int) -> IOConfig:
+    """The configuration of one of ``lanes`` files written at once.
 
-    ``jobs`` holds (extents, root, path) per slot. Raises the first failure after every slot
-    has stopped.
+    The staging memory of one save stays ``chunk_bytes x num_buffers`` whatever the number of
+    files: each file gets its own buffers of ``chunk_bytes / lanes`` (at least 1 MiB), so a file
+    whose root is slow never holds the buffers another file needs.
     """
+    if lanes <= 1:
+        return config
+    chunk = max(1 << 20, (config.chunk_bytes // lanes) // ALIGN * ALIGN)
+    return dataclasses.replace(config, chunk_bytes=chunk)
+
+
+def write_slots(prepared: Prepared, jobs: Sequence[tuple[Sequence[Extent], int, str]],
+                backend: FileBackend, config: IOConfig) -> list[FileReport]:
+    """Write several slot files at once (one thread each, each with its own writer threads
+    and staging buffers); ``jobs`` holds (extents, root, path) per slot. Raises the first
+    failure after every slot has stopped.
+    """
+    cfg = lane_config(config, len(jobs))
+
+    def one(lane: int) -> FileReport:
+        extents, root, path = jobs[lane]
+        return write_file(prepared, extents, root, path, backend, cfg, shared_pool(cfg.chunk_bytes, cfg.num_buffers, lane))
+
     if len(jobs) == 1:
-        extents, root, path = jobs[0]
-        return [write_file(prepared, extents, root, path, backend, config, pool)]
+        return [one(0)]
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="fastpersist-slot") as ex:
-        futures = [ex.submit(write_file, prepared, e, r, p, backend, config, pool) for e, r, p in jobs]
+        futures = [ex.submit(one, lane) for lane in range(len(jobs))]
         return [f.result() for f in futures]
 
 

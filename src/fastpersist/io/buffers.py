@@ -113,18 +113,19 @@ class BufferPool:
         self._free.put(buf)
 
 
-_shared_pools: dict[tuple[int, int], BufferPool] = {}
+_shared_pools: dict[tuple[int, int, int], BufferPool] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_pool(nbytes: int, count: int) -> BufferPool:
-    """The process-wide pool for this buffer size and count, reused across saves.
+def shared_pool(nbytes: int, count: int, lane: int = 0) -> BufferPool:
+    """The process-wide pool for this buffer size, count and lane, reused across saves.
 
-    Concurrent saves may share it: each buffer returns to the pool when its write completes, so
-    they only take turns.
+    Concurrent saves may share a pool: each buffer returns to the pool when its write
+    completes, so they only take turns. Files written at the same time by one save use
+    different ``lane`` numbers, so a slow file never holds the buffers another one needs.
     """
     with _shared_lock:
-        pool = _shared_pools.get((nbytes, count))
+        pool = _shared_pools.get((nbytes, count, lane))
         if pool is None:
-            pool = _shared_pools[(nbytes, count)] = BufferPool(nbytes, count)
+            pool = _shared_pools[(nbytes, count, lane)] = BufferPool(nbytes, count)
         return pool

@@ -1,0 +1,224 @@
+"""Write parallelism: how fastpersist's sharded checkpoints scale with roots and ranks.
+
+Three parts, each printing a table (medians of several rounds, [min-max]):
+
+1. scaling: every root is capped at CAP GB/s by a token bucket shared by all processes (a
+   stand-in for N real SSDs; the roots live on tmpfs so the real medium is never the limit).
+   Aggregate write bandwidth for k = 1, 2, 4, 8 roots in one process, and for 2 and 4 gloo
+   ranks, against the ideal k x CAP.
+2. ranks: real multi-process saves with 2 and 4 gloo ranks on the real disk and on tmpfs,
+   every rank writing its share vs one rank writing everything, and the fixed coordination
+   cost (a checkpoint of a few bytes).
+3. load: a checkpoint written by 4 ranks, loaded at world size 1, vs fastpersist.load of the
+   same state as a single file (cold page cache).
+
+    python benchmarks/bench_parallel.py [--gib 0.25] [--rounds 3] [--parts scaling,ranks,load]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fastpersist as fp
+from fastpersist.checkpointer import Checkpointer
+from fastpersist.cli.bench import gpt_state, tensor_bytes
+from fastpersist.io.backend import FileBackend
+
+
+class TokenBucketBackend(FileBackend):
+    """Each root delivers at most ``cap`` bytes/s, shared by every thread and process.
+
+    A write request reserves the next ``nbytes / cap`` seconds of its root's time (one shared
+    value per root holds when the root is next free), sleeps until that reservation ends, then
+    writes. The real medium (tmpfs) is much faster than the cap, so the cap is the limit.
+    """
+
+    def __init__(self, cap_bytes_per_s: float, clocks: list[Any]) -> None:
+        self.cap = cap_bytes_per_s
+        self.clocks = clocks
+
+    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
+        clock = self.clocks[root]
+        with clock.get_lock():
+            start = max(time.monotonic(), clock.value)
+            clock.value = start + nbytes / self.cap
+            until = clock.value
+        delay = until - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def _median(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def _drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _clear(roots: list[str]) -> None:
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker for multi-process runs
+
+
+def _worker(rank: int, world: int, init: str, job: dict, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        state = gpt_state(job["gib"], seed=1) if job["gib"] > 0 else {"x": torch.ones(4)}
+        backend = TokenBucketBackend(job["cap"], job["clocks"]) if job.get("cap") else None
+        ck = Checkpointer(job["roots"], writers=job.get("writers", "all"), backend=backend)
+        times = []
+        for i in range(job["rounds"]):
+            if rank == 0:
+                _clear(job["roots"])
+            dist.barrier()
+            t0 = time.perf_counter()
+            ck.save(i, state).wait()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        if rank == 0:
+            results.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def _multi(world: int, job: dict) -> list[float]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    init = f"file://{tempfile.mktemp(prefix='fastpersist-rdv-')}"
+    mp.start_processes(_worker, args=(world, init, job, results), nprocs=world, start_method="spawn")
+    return results.get(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def part_scaling(args: argparse.Namespace) -> None:
+    cap = args.cap * 1e9
+    ctx = multiprocessing.get_context("spawn")
+    state = gpt_state(args.gib, seed=1)
+    nbytes = tensor_bytes(state)
+    base = tempfile.mkdtemp(prefix="fp-scale-", dir="/dev/shm")
+    print(f"\n## Scaling over capped roots (cap {args.cap} GB/s per root, token bucket, tmpfs; "
+          f"state {nbytes / 2**30:.2f} GiB)\n")
+    print("| ranks | roots | ideal GB/s | measured GB/s (median [min-max]) | measured / ideal |")
+    print("|---|---|---|---|---|")
+    try:
+        for ranks, ks in [(1, [1, 2, 4, 8]), (2, [1, 2, 4]), (4, [1, 2])]:
+            for k in ks:
+                roots = [os.path.join(base, f"root{j}") for j in range(k)]
+                clocks = [ctx.Value("d", 0.0) for _ in range(k)]
+                if ranks == 1:
+                    ck = Checkpointer(roots, backend=TokenBucketBackend(cap, clocks))
+                    times = []
+                    for i in range(args.rounds):
+                        _clear(roots)
+                        t0 = time.perf_counter()
+                        ck.save(i, state).wait()
+                        times.append(time.perf_counter() - t0)
+                else:
+                    times = _multi(ranks, {"gib": args.gib, "roots": roots, "rounds": args.rounds,
+                                           "cap": cap, "clocks": clocks})
+                gbps = [nbytes / t / 1e9 for t in times]
+                ideal = k * args.cap
+                print(f"| {ranks} | {k} | {ideal:.2f} | {_median(gbps)} | {statistics.median(gbps) / ideal:.2f} |",
+                      flush=True)
+                _clear(roots)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def part_ranks(args: argparse.Namespace) -> None:
+    nbytes = tensor_bytes(gpt_state(args.gib, seed=1))
+    print(f"\n## Multi-process saves (gloo; state {nbytes / 2**30:.2f} GiB, replicated on every rank; "
+          "seconds per checkpoint, median [min-max])\n")
+    print("| medium | ranks | all ranks write | one rank writes all | speed-up | coordination (tiny state) |")
+    print("|---|---|---|---|---|---|")
+    for medium, parent in [("disk (ext4, O_DIRECT)", args.dir), ("tmpfs", "/dev/shm")]:
+        base = tempfile.mkdtemp(prefix="fp-ranks-", dir=parent)
+        try:
+            roots = [os.path.join(base, "root0")]
+            for world in (2, 4):
+                job = {"gib": args.gib, "roots": roots, "rounds": args.rounds}
+                every = _multi(world, job)
+                one = _multi(world, {**job, "writers": [0]})
+                tiny = _multi(world, {**job, "gib": 0, "rounds": max(args.rounds, 5)})
+                print(f"| {medium} | {world} | {_median(every)} | {_median(one)} | "
+                      f"{statistics.median(one) / statistics.median(every):.2f}x | {_median([t * 1e3 for t in tiny])} ms |",
+                      flush=True)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def part_load(args: argparse.Namespace) -> None:
+    state = gpt_state(args.gib, seed=1)
+    nbytes = tensor_bytes(state)
+    base = tempfile.mkdtemp(prefix="fp-load-", dir=args.dir)
+    roots = [os.path.join(base, "root0")]
+    single = os.path.join(base, "single.pt")
+    try:
+        _multi(4, {"gib": args.gib, "roots": roots, "rounds": 1})
+        fp.save(state, single)
+        del state
+        ck = Checkpointer(roots)
+        sharded, one_file = [], []
+        cold = True
+        for _ in range(args.rounds):
+            for name, fn, out in [("sharded", lambda: ck.load(0), sharded), ("single", lambda: fp.load(single), one_file)]:
+                cold = _drop_caches() and cold
+                t0 = time.perf_counter()
+                obj = fn()
+                out.append(nbytes / (time.perf_counter() - t0) / 1e9)
+                del obj
+        print(f"\n## Load at world size 1 ({'cold cache: drop_caches' if cold else 'page cache NOT dropped'}; "
+              f"{nbytes / 2**30:.2f} GiB, GB/s median [min-max])\n")
+        print("| checkpoint | GB/s | ratio |\n|---|---|---|")
+        print(f"| single file (fastpersist.load) | {_median(one_file)} | 1.00 |")
+        print(f"| written by 4 ranks (Checkpointer.load) | {_median(sharded)} | "
+              f"{statistics.median(sharded) / statistics.median(one_file):.2f} |")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=0.25, help="state size in GiB")
+    p.add_argument("--cap", type=float, default=0.1, help="per-root cap for the scaling part, GB/s")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the real disk")
+    p.add_argument("--parts", default="scaling,ranks,load")
+    args = p.parse_args(argv)
+    cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    print(f"# fastpersist parallel benchmark: {cpu} cores, torch {torch.__version__}, python {sys.version.split()[0]}")
+    parts = {"scaling": part_scaling, "ranks": part_ranks, "load": part_load}
+    for name in args.parts.split(","):
+        parts[name](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""``fastpersist ls ROOT`` and ``fastpersist convert CKPT_DIR OUT.pt``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+from fastpersist.checkpointer import list_checkpoints, load_checkpoint
+from fastpersist.errors import CheckpointError
+from fastpersist.single_file import save
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def ls_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fastpersist ls", description="list the checkpoints under a root")
+    p.add_argument("root", help="the first root of a Checkpointer (holds the manifests and `latest`)")
+    args = p.parse_args(argv)
+    infos = list_checkpoints(args.root)
+    if not infos:
+        print(f"no checkpoints in {args.root}")
+        return 0
+    print(f"{'step':>10}  {'state':<10} {'size':>10}  {'files':>5}  {'ranks':>5}  created")
+    for i in infos:
+        state = ("latest" if i.latest else "committed") if i.committed else "incomplete"
+        created = datetime.datetime.fromtimestamp(i.created).isoformat(" ", "seconds") if i.created else "-"
+        print(f"{i.step:>10}  {state:<10} {_size(i.nbytes) if i.committed else '-':>10}  "
+              f"{i.files if i.committed else '-':>5}  {i.world_size if i.committed else '-':>5}  {created}")
+    return 0
+
+
+def convert_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fastpersist convert",
+                                description="write a sharded checkpoint as one torch.load-compatible file")
+    p.add_argument("checkpoint", help="the checkpoint's directory in its first root, e.g. ROOT/step-00000100")
+    p.add_argument("out", help="the file to write (e.g. model.pt)")
+    p.add_argument("--root", action="append", default=[], help="another root of the checkpoint, in order")
+    p.add_argument("--rank", type=int, default=None, help="convert this rank's own state instead")
+    p.add_argument("--trust", action="store_true", help="load the skeleton with the full unpickler")
+    args = p.parse_args(argv)
+    try:
+        obj = load_checkpoint(args.checkpoint, args.root, rank=args.rank, map_location="cpu",
+                              weights_only=not args.trust)
+        save(obj, args.out)
+    except CheckpointError as e:
+        print(f"fastpersist convert: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}")
+    return 0

@@ -37,10 +37,9 @@ from fastpersist.errors import CheckpointError, CheckpointNotFoundError, Checkpo
 from fastpersist.format import manifest as mf
 from fastpersist.handle import SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
-from fastpersist.io.buffers import align_up
 from fastpersist.plan import Extent, plan, plan_digest
 from fastpersist.retention import Retention
-from fastpersist.stage import Arena, copy_into, guarded_storages, snapshot_bytes, storage_key
+from fastpersist.stage import Arena, capture, capture_storages, copy_bytes, guarded_storages, plain, storages_of
 from fastpersist.state import restore_into, to_saveable
 
 logger = logging.getLogger(__name__)
@@ -74,13 +73,14 @@ _WHEN_BUSY = ("wait", "skip")
 @dataclass
 class _Job:
     step: int
-    rep: sharded.Prepared
-    own: sharded.Prepared | None
+    state: Any  # saveable: state_dicts taken; in the background modes, captured (see stage.py)
+    rank_state: Any
     metadata: Mapping[str, Any] | None
     handle: SaveHandle
     started: float
     uses_arena: bool = False
-    live: bool = False  # writes from live (guarded) memory
+    live: bool = False  # some tensors are written from live (guarded) memory
+    prepared: tuple[sharded.Prepared, sharded.Prepared | None] | None = None  # pickled at save time
 
 
 class Checkpointer:
@@ -215,30 +215,25 @@ class Checkpointer:
         handle = SaveHandle(SaveMetrics(step, self.mode))
         if not self._make_room(handle):
             return handle
-        rep = sharded.prepare(mf.REPLICATED, to_saveable(state))
-        own = sharded.prepare(mf.rank_object(self.rank), to_saveable(rank_state)) if rank_state is not None else None
-        job = _Job(step, rep, own, metadata, handle, t0)
-        inline = self.mode == "sync" or not self._stage(job)
-        if inline:
+        saveable = to_saveable(state)
+        own = to_saveable(rank_state) if rank_state is not None else None
+        job = _Job(step, saveable, own, metadata, handle, t0)
+        if self.mode == "sync" or not self._stage(job):
             try:
                 self._run(job)
             except BaseException as e:
                 handle._finish(e)
                 handle.reported = True
                 raise
-            finally:
-                self._release(job)
             handle.metrics.save_call_s = time.perf_counter() - t0
             handle._finish()
             self._log(handle.metrics)
             return handle
-        handle.metrics.save_call_s = time.perf_counter() - t0
         with self._lock:
             self._in_flight.append(job)
         self._ensure_worker()
-        self._queue.put(job)
-        logger.debug("fastpersist: checkpoint %s queued (%s, %.1f ms in save())", name, self.mode,
-                     handle.metrics.save_call_s * 1e3)
+        handle.metrics.save_call_s = time.perf_counter() - t0
+        self._queue.put(job)  # the worker starts now; nothing below may take time
         return handle
 
     def _make_room(self, handle: SaveHandle) -> bool:
@@ -265,23 +260,44 @@ class Checkpointer:
             self._raise_failed()
 
     def _stage(self, job: _Job) -> bool:
-        """Copy what must be copied now; False when it does not fit (then the save is inline)."""
+        """Make the job independent of training from now on, except for guarded tensors.
+
+        Plain states (containers, tensors, immutable values) are captured structurally, and the
+        pickling happens in the background; anything else is pickled now. Unguarded storages are
+        copied into the arena. False if they do not fit (the save then runs inline, through the
+        fixed staging pool).
+        """
         live = self._guarded() if self.mode == "overlap" else set()
-        storages = job.rep.storages + (job.own.storages if job.own else [])
-        need = snapshot_bytes(storages, live)
+        objs = [job.state] + ([job.rank_state] if job.rank_state is not None else [])
+        if not all(plain(o) for o in objs):
+            rep = sharded.prepare(mf.REPLICATED, job.state)
+            own = sharded.prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
+            job.prepared = (rep, own)
+            storages = rep.storages + (own.storages if own else [])
+        else:
+            storages = [s for o in objs for s in storages_of(o)]
+        need = copy_bytes(storages, live)
         if not self._arena.fits(need):
             logger.info("fastpersist: checkpoint step %d needs %.1f MB of snapshot memory, over the budget of "
                         "%.1f MB: writing it now, through the staging pool", job.step, need / 1e6, self._arena.budget / 1e6)
             return False
-        job.live = bool(live) and any(storage_key(s) in live for s in storages)
-        if need:
-            arena = self._arena.take(need)
-            job.uses_arena = True
-            copied = copy_into(job.rep.storages, live, arena)
-            if job.own:
-                used = sum(align_up(s.nbytes()) for s in job.rep.storages if storage_key(s) not in live)
-                copied += copy_into(job.own.storages, live, arena[align_up(used):])
-            job.handle.metrics.bytes_copied = copied
+        arena = self._arena.take(need) if need else None
+        job.uses_arena = arena is not None
+        try:
+            if job.prepared is not None:
+                pos, copied = capture_storages(job.prepared[0].storages, live, arena)
+                if job.prepared[1] is not None:
+                    copied += capture_storages(job.prepared[1].storages, live, arena, pos)[1]
+            else:
+                job.state, pos, copied = capture(job.state, live, arena)
+                if job.rank_state is not None:
+                    job.rank_state, _, more = capture(job.rank_state, live, arena, pos)
+                    copied += more
+        except BaseException:
+            self._release(job)
+            raise
+        job.live = bool(live)
+        job.handle.metrics.bytes_copied = copied
         return True
 
     def _release(self, job: _Job) -> None:
@@ -306,11 +322,11 @@ class Checkpointer:
                 error = e
             finally:
                 self._release(job)
-            job.handle._finish(error)
-            with self._lock:
+            with self._lock:  # out of the in-flight list before anyone waiting on the handle wakes
                 self._in_flight.remove(job)
                 if error is not None:
                     self._failed.append(job.handle)
+            job.handle._finish(error)
             if error is None:
                 self._log(job.handle.metrics)
             else:
@@ -336,7 +352,16 @@ class Checkpointer:
 
     def _run(self, job: _Job) -> None:
         """The save protocol (see the module docstring); in the worker thread or inline."""
-        step, rep, own = job.step, job.rep, job.own
+        try:
+            if job.prepared is not None:
+                rep, own = job.prepared
+            else:
+                rep = sharded.prepare(mf.REPLICATED, job.state)
+                own = sharded.prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
+        except BaseException:
+            job.handle._data_written.set()
+            raise
+        step = job.step
         slots = [(r, j) for r in self.writer_ranks for j in range(len(self.roots))]
         digest = plan_digest(rep.sizes, len(slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
         proposals = agree(self.comm, f"preparing checkpoint step {step}", lambda: (digest, secrets.token_hex(6)))
@@ -352,7 +377,7 @@ class Checkpointer:
         t_write = time.perf_counter()
         try:
             written = agree(self.comm, f"writing checkpoint step {step}",
-                            lambda: self._write(catalog.step_dir(step), save_id, job, extents, slots))
+                            lambda: self._write(catalog.step_dir(step), save_id, job, rep, own, extents, slots))
             job.handle.metrics.write_s = time.perf_counter() - t_write
             agree(self.comm, f"committing checkpoint step {step}",
                   lambda: self._commit(step, save_id, written, job.metadata) if self.rank == 0 else None)
@@ -369,10 +394,10 @@ class Checkpointer:
         m.bytes_total = sum(e.nbytes for w in written for r in w.reports for e in r.extents)
         m.total_s = time.perf_counter() - job.started
 
-    def _write(self, name: str, save_id: str, job: _Job, extents: list[Extent],
-               slots: list[tuple[int, int]]) -> _Written:
+    def _write(self, name: str, save_id: str, job: _Job, rep: sharded.Prepared, own: sharded.Prepared | None,
+               extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
         try:
-            return self._write_files(name, save_id, job.rep, job.own, extents, slots)
+            return self._write_files(name, save_id, rep, own, extents, slots)
         finally:
             job.handle._data_written.set()  # live tensors are no longer read (written, or failed)
 

@@ -16,7 +16,9 @@ A copy from device memory is a device-to-host copy into pinned memory on a side 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -74,36 +76,131 @@ def guarded_storages(tensors: Iterable[torch.Tensor]) -> set[tuple[str, int]]:
     return {storage_key(t.untyped_storage()) for t in tensors}
 
 
-def snapshot_bytes(storages: Sequence[torch.UntypedStorage], live: set[tuple[str, int]]) -> int:
-    """Arena bytes needed to copy every storage not in ``live`` (each starts page-aligned)."""
-    return sum(align_up(s.nbytes()) for s in storages if storage_key(s) not in live)
+_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
-def copy_into(storages: list[torch.UntypedStorage], live: set[tuple[str, int]], arena: torch.Tensor) -> int:
-    """Replace each storage not in ``live`` by a copy in ``arena`` (in place in the list).
+def _tensors(obj: Any, out: dict[tuple[str, int], torch.UntypedStorage]) -> bool:
+    """Collect the storages of the tensors in ``obj``; False if something opaque was met."""
+    if isinstance(obj, torch.Tensor):
+        s = obj.untyped_storage()
+        out.setdefault(storage_key(s), s)
+        return True
+    if isinstance(obj, Mapping):
+        return all([_tensors(v, out) for v in obj.values()])
+    if isinstance(obj, (list, tuple)):
+        return all([_tensors(v, out) for v in obj])
+    return isinstance(obj, _IMMUTABLE)
 
-    Returns the bytes copied. Copies on a device go through a side stream and are waited for.
+
+def plain(obj: Any) -> bool:
+    """Whether ``obj`` holds only containers, tensors and immutable values (a state_dict's
+    usual content), so that :func:`capture` can copy it without pickling it."""
+    return _tensors(obj, {})
+
+
+def copy_bytes(storages: Iterable[torch.UntypedStorage], live: set[tuple[str, int]]) -> int:
+    """Arena bytes needed to copy the storages not in ``live`` (each copy starts page-aligned)."""
+    found = {storage_key(s): s for s in storages}
+    return sum(align_up(s.nbytes()) for k, s in found.items() if k not in live)
+
+
+def storages_of(obj: Any) -> list[torch.UntypedStorage]:
+    found: dict[tuple[str, int], torch.UntypedStorage] = {}
+    _tensors(obj, found)
+    return list(found.values())
+
+
+class _Capture:
+    """A structural copy of a state: containers rebuilt, tensors re-pointed.
+
+    Tensors on a ``live`` storage become aliases (same memory, metadata fixed now); every other
+    storage is copied once into the arena and its tensors become views of the copy, so storages
+    shared by several tensors stay shared. Only :func:`plain` objects can be captured this way;
+    others are pickled at save time and only their storages are captured (:func:`capture_storages`).
     """
-    pos = 0
-    copied = 0
-    stream = None
-    for i, s in enumerate(storages):
-        if storage_key(s) in live or s.nbytes() == 0:
-            continue
+
+    def __init__(self, live: set[tuple[str, int]], arena: torch.Tensor | None) -> None:
+        self.live = live
+        self.arena = arena
+        self.pos = 0
+        self.copied = 0
+        self.copies: dict[tuple[str, int], torch.UntypedStorage] = {}
+        self.stream: Any = None
+
+    def storage(self, s: torch.UntypedStorage) -> torch.UntypedStorage:
+        key = storage_key(s)
+        if key in self.live:
+            return s
+        done = self.copies.get(key)
+        if done is not None:
+            return done
         n = s.nbytes()
-        dst = arena[pos : pos + n]
+        if n == 0:  # nothing to copy; a fresh empty storage (arena slices would alias the next copy)
+            self.copies[key] = torch.UntypedStorage(0)
+            return self.copies[key]
+        if self.arena is None or self.pos + n > self.arena.numel():
+            raise CheckpointError("internal: the snapshot arena is smaller than the state it must hold")
+        dst = self.arena[self.pos : self.pos + n]
         src = torchzip.byte_view(s)
         if src.device.type == "cuda":  # pragma: no cover - no GPU in CI
-            if stream is None:
-                stream = torch.cuda.Stream(device=src.device)
-                stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(stream):
+            if self.stream is None:  # device-to-host copies on a side stream, into pinned memory
+                self.stream = torch.cuda.Stream(device=src.device)
+                self.stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(self.stream):
                 dst.copy_(src, non_blocking=True)
         else:
             dst.copy_(src)
-        storages[i] = dst.untyped_storage()[dst.storage_offset() : dst.storage_offset() + n]  # type: ignore[index]
-        pos += align_up(n, ALIGN)
-        copied += n
-    if stream is not None:  # pragma: no cover
-        stream.synchronize()
-    return copied
+        self.pos += align_up(n, ALIGN)
+        self.copied += n
+        out = dst.untyped_storage()[dst.storage_offset() : dst.storage_offset() + n]  # type: ignore[index]
+        self.copies[key] = out
+        return out
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        s = self.storage(t.untyped_storage())
+        view = torch.empty(0, dtype=t.dtype, device=s.device).set_(s, t.storage_offset(), t.size(), t.stride())
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(view, requires_grad=t.requires_grad)
+        return view
+
+    def __call__(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        if isinstance(obj, Mapping):
+            items = [(k, self(v)) for k, v in obj.items()]
+            return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self(v) for v in obj)
+        if isinstance(obj, list):
+            return [self(v) for v in obj]
+        if isinstance(obj, _IMMUTABLE):
+            return obj
+        raise CheckpointError(f"internal: {type(obj).__name__} cannot be captured without pickling")
+
+    def finish(self) -> None:
+        if self.stream is not None:  # pragma: no cover - no GPU in CI
+            self.stream.synchronize()
+
+
+def capture_storages(storages: list[torch.UntypedStorage], live: set[tuple[str, int]],
+                     arena: torch.Tensor | None, start: int = 0) -> tuple[int, int]:
+    """Replace, in place, every storage not in ``live`` by its copy in ``arena``."""
+    c = _Capture(live, arena)
+    c.pos = start
+    storages[:] = [c.storage(s) for s in storages]
+    c.finish()
+    return c.pos, c.copied
+
+
+def capture(obj: Any, live: set[tuple[str, int]], arena: torch.Tensor | None,
+            start: int = 0) -> tuple[Any, int, int]:
+    """A copy of ``obj`` whose tensors no longer change with training, except ``live`` ones.
+
+    Copies go into ``arena`` from byte ``start``; returns the copy, the arena offset after the
+    last copy, and the bytes copied.
+    """
+    c = _Capture(live, arena)
+    c.pos = start
+    out = c(obj)
+    c.finish()
+    return out, c.pos, c.copied

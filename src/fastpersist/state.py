@@ -54,3 +54,56 @@ def restore_into(loaded: Any, into: Mapping[str, Any], where: str) -> None:
                 f"{where}: cannot load entry {key!r} in place into a {type(target).__name__}; pass "
                 "objects with load_state_dict() or dicts in `into`, or read the returned state"
             )
+
+
+class RNGState:
+    """The random number generators of a process, as a stateful object.
+
+    ``state_dict()`` captures torch's CPU generator, every CUDA device's generator (when CUDA
+    is initialised), numpy's global generator (when numpy is installed) and Python's
+    ``random``; ``load_state_dict()`` puts them back. Everything is stored as tensors and plain
+    Python values, so torch's weights-only loader accepts it. RNG state differs per rank: save
+    it in ``rank_state``.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        import random
+
+        import torch
+
+        version, internal, gauss = random.getstate()
+        out: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - no GPU in CI
+            out["cuda"] = torch.cuda.get_rng_state_all()
+        np = _numpy()
+        if np is not None:
+            name, keys, pos, has_gauss, cached = np.random.get_state()
+            out["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                            "has_gauss": int(has_gauss), "cached": float(cached)}
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        import random
+
+        import torch
+
+        torch.set_rng_state(state["torch"])
+        py = state["python"]
+        random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+        if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - no GPU in CI
+            torch.cuda.set_rng_state_all(state["cuda"])
+        np = _numpy()
+        if np is not None and "numpy" in state:
+            s = state["numpy"]
+            np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 _COMMANDS = {
+    "demo": ("fastpersist.cli.demo", "main", "train small models with a checkpoint every iteration; crash and resume"),
     "bench": ("fastpersist.cli.bench", "main", "benchmark save/load against torch.save, DCP and the device"),
     "ls": ("fastpersist.cli.checkpoints", "ls_main", "list the checkpoints under a root"),
     "convert": ("fastpersist.cli.checkpoints", "convert_main", "write a sharded checkpoint as one torch.load file"),

@@ -125,8 +125,10 @@ def remove_checkpoint(roots: Sequence[str], step: int, backend: FileBackend) -> 
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def remove_files(roots: Sequence[str], step: int, prefix: str, keep: set[tuple[int, str]] | None = None) -> None:
-    """Remove files of one checkpoint whose name starts with ``prefix`` (best effort)."""
+def remove_files(roots: Sequence[str], step: int, prefix: str, keep: set[tuple[int, str]] | None = None,
+                 prune: bool = False) -> None:
+    """Remove files of one checkpoint whose name starts with ``prefix`` (best effort); with
+    ``prune``, also the checkpoint's directories that are left empty."""
     name = step_dir(step)
     for i, root in enumerate(roots):
         d = os.path.join(root, name)
@@ -140,6 +142,11 @@ def remove_files(roots: Sequence[str], step: int, prefix: str, keep: set[tuple[i
                     os.unlink(os.path.join(d, f))
                 except OSError as e:
                     logger.warning("fastpersist: could not remove %s: %s", os.path.join(d, f), e)
+        if prune:
+            try:
+                os.rmdir(d)  # only succeeds when empty: never removes another writer's files
+            except OSError:
+                pass
 
 
 def clean_incomplete(roots: Sequence[str]) -> list[str]:

@@ -383,7 +383,7 @@ class Checkpointer:
                   lambda: self._commit(step, save_id, written, job.metadata) if self.rank == 0 else None)
         except CheckpointError:
             if not self._is_committed(step, save_id):  # a failure after the commit point keeps the files
-                catalog.remove_files(self.roots, step, f"{save_id}-")
+                catalog.remove_files(self.roots, step, f"{save_id}-", prune=True)
             raise
         if self.rank == 0:
             self._after_commit(step, written)

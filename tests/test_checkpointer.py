@@ -344,3 +344,42 @@ def test_skeleton_that_runs_code_is_refused(tmp_path):
 def test_manifest_parse_is_strict_on_raw_garbage():
     with pytest.raises(fp.CorruptCheckpointError, match="not valid JSON"):
         mf.parse("m.json", b"\x00\x01")
+
+
+def test_skeleton_pickle_is_byte_identical_to_torch_save():
+    """fastpersist's lean pickler must write exactly the pickle torch.save writes."""
+    import io
+    import zipfile
+
+    from fastpersist.format import skeleton
+
+    x = torch.randn(10)
+    cases = [
+        _state(5),
+        torch.nn.Linear(3, 4).state_dict(),
+        {"u16": torch.ones(3, dtype=torch.uint16), "storage": torch.ones(3).untyped_storage(),
+         "param": torch.nn.Parameter(torch.ones(2)), "grad": torch.ones(2, requires_grad=True),
+         "views": [x, x[2:5], x.view(2, 5).t()], "tuple": (1, 2.5, True, None, "s")},
+    ]
+    for obj in cases:
+        records, keys, storages = skeleton.serialize(obj)
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+            pkl = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+            data = sorted(n.split("/data/")[1] for n in z.namelist() if "/data/" in n)
+        assert records["data.pkl"] == pkl
+        assert sorted(keys) == data and len(storages) == len(keys)
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "overlap"])
+def test_captured_state_keeps_tensor_kinds(tmp_path, mode):
+    ck = Checkpointer(str(tmp_path / "ck"), mode=mode)
+    p = torch.nn.Parameter(torch.randn(5))
+    g = torch.randn(4, requires_grad=True)
+    base = torch.randn(6)
+    ck.save(1, {"p": p, "g": g, "v": base[1:4], "b": base}).wait()
+    got = ck.load(1, weights_only=False)
+    assert isinstance(got["p"], torch.nn.Parameter) and torch.equal(got["p"], p)
+    assert got["g"].requires_grad and torch.equal(got["g"], g)
+    assert got["v"].untyped_storage().data_ptr() == got["b"].untyped_storage().data_ptr()

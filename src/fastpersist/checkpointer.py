@@ -177,7 +177,7 @@ class Checkpointer:
         self._protected.append(optimizer)
         self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
-    def _guarded(self) -> set[tuple[str, int]]:
+    def _guarded(self) -> set[int]:
         tensors = []
         for opt in self._protected:
             for group in opt.param_groups:

@@ -35,6 +35,7 @@ from fastpersist.errors import (
     CheckpointWriteError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    UnsaveableObjectError,
 )
 from fastpersist.format import manifest as mf
 from fastpersist.format import skeleton, torchzip
@@ -68,17 +69,13 @@ class Prepared:
 
 
 def prepare(name: str, obj: object) -> Prepared:
-    """Serialize ``obj`` with torch's pickler (storages kept as references, never copied)."""
-    layout = torchzip.layout(obj)
-    small = {n: b for n, b in layout.small.items()}
-    records = layout.storages
-    return Prepared(
-        name=name,
-        skeleton=skeleton.encode(small),
-        keys=[r.name.split("/", 1)[1] for r in records],
-        storages=[r.storage for r in records],
-        sizes=[r.nbytes for r in records],
-    )
+    """Serialize ``obj`` with torch's pickle format (storages kept as references, never copied)."""
+    try:
+        small, keys, storages = skeleton.serialize(obj)
+    except Exception as e:
+        raise UnsaveableObjectError(f"the object cannot be serialized: {type(e).__name__}: {e}") from e
+    return Prepared(name=name, skeleton=skeleton.encode(small), keys=keys, storages=storages,
+                    sizes=[s.nbytes() for s in storages])
 
 
 @dataclass(frozen=True)
@@ -110,12 +107,16 @@ def _placement(prepared: Prepared, extents: Sequence[Extent]) -> tuple[list[Piec
     pieces: list[Piece] = []
     placed: list[tuple[Extent, int]] = []
     for k, e in enumerate(extents):
-        view = torchzip.byte_view(prepared.storages[e.storage])[e.start : e.end]
+        storage = prepared.storages[e.storage]
+        on_cpu = storage.device.type == "cpu"
         if e.nbytes >= _PHASE_MIN:
-            phase = (view.data_ptr() % ALIGN) if view.device.type == "cpu" else 0
+            phase = ((storage.data_ptr() + e.start) % ALIGN) if on_cpu else 0
             offset = pos - pos % ALIGN + phase
             pos = offset if offset >= pos else offset + ALIGN
-        pieces.append(Piece(pos, e.nbytes, tensor=view, tag=k))
+        if on_cpu:  # host memory is described by its address (the Prepared keeps it alive)
+            pieces.append(Piece(pos, e.nbytes, tag=k, addr=storage.data_ptr() + e.start))
+        else:
+            pieces.append(Piece(pos, e.nbytes, tensor=torchzip.byte_view(storage)[e.start : e.end], tag=k))
         placed.append((e, pos))
         pos += e.nbytes
     return pieces, placed, pos

@@ -68,18 +68,20 @@ class Arena:
         return 0 if self._buffer is None else self._buffer.numel()
 
 
-def storage_key(storage: torch.UntypedStorage) -> tuple[str, int]:
-    return (storage.device.type, storage.data_ptr())
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """A storage's identity: its address (unique across host and devices: CUDA's unified
+    virtual addressing gives device memory addresses apart from host memory)."""
+    return storage.data_ptr()
 
 
-def guarded_storages(tensors: Iterable[torch.Tensor]) -> set[tuple[str, int]]:
+def guarded_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {storage_key(t.untyped_storage()) for t in tensors}
 
 
 _IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
-def _tensors(obj: Any, out: dict[tuple[str, int], torch.UntypedStorage]) -> bool:
+def _tensors(obj: Any, out: dict[int, torch.UntypedStorage]) -> bool:
     """Collect the storages of the tensors in ``obj``; False if something opaque was met."""
     if isinstance(obj, torch.Tensor):
         s = obj.untyped_storage()
@@ -98,14 +100,14 @@ def plain(obj: Any) -> bool:
     return _tensors(obj, {})
 
 
-def copy_bytes(storages: Iterable[torch.UntypedStorage], live: set[tuple[str, int]]) -> int:
+def copy_bytes(storages: Iterable[torch.UntypedStorage], live: set[int]) -> int:
     """Arena bytes needed to copy the storages not in ``live`` (each copy starts page-aligned)."""
     found = {storage_key(s): s for s in storages}
     return sum(align_up(s.nbytes()) for k, s in found.items() if k not in live)
 
 
 def storages_of(obj: Any) -> list[torch.UntypedStorage]:
-    found: dict[tuple[str, int], torch.UntypedStorage] = {}
+    found: dict[int, torch.UntypedStorage] = {}
     _tensors(obj, found)
     return list(found.values())
 
@@ -119,12 +121,12 @@ class _Capture:
     others are pickled at save time and only their storages are captured (:func:`capture_storages`).
     """
 
-    def __init__(self, live: set[tuple[str, int]], arena: torch.Tensor | None) -> None:
+    def __init__(self, live: set[int], arena: torch.Tensor | None) -> None:
         self.live = live
         self.arena = arena
         self.pos = 0
         self.copied = 0
-        self.copies: dict[tuple[str, int], torch.UntypedStorage] = {}
+        self.copies: dict[int, torch.UntypedStorage] = {}
         self.stream: Any = None
 
     def storage(self, s: torch.UntypedStorage) -> torch.UntypedStorage:
@@ -157,10 +159,16 @@ class _Capture:
         return out
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
-        s = self.storage(t.untyped_storage())
-        view = torch.empty(0, dtype=t.dtype, device=s.device).set_(s, t.storage_offset(), t.size(), t.stride())
-        if isinstance(t, torch.nn.Parameter):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.live:
+            view = t.detach()  # same memory; shape, strides and offset fixed now
+        else:
+            s = self.storage(storage)
+            view = torch.empty(0, dtype=t.dtype, device=s.device).set_(s, t.storage_offset(), t.size(), t.stride())
+        if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
             return torch.nn.Parameter(view, requires_grad=t.requires_grad)
+        if t.requires_grad:
+            view.requires_grad_(True)
         return view
 
     def __call__(self, obj: Any) -> Any:
@@ -182,7 +190,7 @@ class _Capture:
             self.stream.synchronize()
 
 
-def capture_storages(storages: list[torch.UntypedStorage], live: set[tuple[str, int]],
+def capture_storages(storages: list[torch.UntypedStorage], live: set[int],
                      arena: torch.Tensor | None, start: int = 0) -> tuple[int, int]:
     """Replace, in place, every storage not in ``live`` by its copy in ``arena``."""
     c = _Capture(live, arena)
@@ -192,7 +200,7 @@ def capture_storages(storages: list[torch.UntypedStorage], live: set[tuple[str, 
     return c.pos, c.copied
 
 
-def capture(obj: Any, live: set[tuple[str, int]], arena: torch.Tensor | None,
+def capture(obj: Any, live: set[int], arena: torch.Tensor | None,
             start: int = 0) -> tuple[Any, int, int]:
     """A copy of ``obj`` whose tensors no longer change with training, except ``live`` ones.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import zipfile
 from typing import Any
 
@@ -20,6 +21,60 @@ import torch
 from fastpersist.errors import CheckpointReadError, CorruptCheckpointError
 
 _DATE = (2020, 1, 1, 0, 0, 0)  # fixed, so the same state gives the same bytes
+
+
+def serialize(obj: object, protocol: int = 2) -> tuple[dict[str, bytes], list[str], list[torch.UntypedStorage]]:
+    """Pickle ``obj`` the way ``torch.save`` does, keeping its storages as references.
+
+    Returns torch's small records (``data.pkl``, ``.format_version``, ``.storage_alignment``,
+    ``byteorder``), the storage keys in torch's order and the storages (not copied). The
+    pickle is byte-for-byte what torch.save would write; only the per-object hook is leaner
+    than torch's (it runs for every object pickled, so it is the cost of a save's skeleton).
+    """
+    keys: dict[int, str] = {}
+    storages: list[torch.UntypedStorage] = []
+    dtypes: dict[int, torch.dtype] = {}
+    locations: dict[torch.device, str] = {}
+    typed, untyped, is_storage = torch.storage.TypedStorage, torch.UntypedStorage, torch.is_storage
+
+    def storage_id(o: Any) -> tuple[str, Any, str, str, int] | None:
+        if isinstance(o, typed):
+            storage, dtype, numel = o._untyped_storage, o.dtype, o._size()
+            storage_type = getattr(torch, o._pickle_storage_type())
+        elif is_storage(o):
+            storage, dtype, numel = o, torch.uint8, o.nbytes()
+            storage_type = torch.serialization.normalize_storage_type(type(o))
+        else:
+            return None
+        ptr = storage.data_ptr()
+        if storage.device.type != "meta" and ptr != 0:
+            if dtypes.setdefault(ptr, dtype) != dtype:
+                raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
+        key = keys.get(storage._cdata)
+        if key is None:
+            key = keys[storage._cdata] = str(len(keys))
+            storages.append(storage)
+        location = locations.get(storage.device)
+        if location is None:
+            location = locations[storage.device] = torch.serialization.location_tag(storage)
+        return ("storage", storage_type, key, location, numel)
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            t = type(o)
+            if t is int or t is str or t is tuple or t is float or t is dict or t is list or t is bool:
+                return None
+            return storage_id(o)
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=protocol).dump(obj)
+    records = {
+        "data.pkl": buf.getvalue(),
+        ".format_version": b"1",
+        ".storage_alignment": str(torch.serialization._get_storage_alignment()).encode(),
+        "byteorder": sys.byteorder.encode(),
+    }
+    return records, list(keys.values()), storages
 
 
 def encode(records: dict[str, bytes]) -> bytes:

@@ -41,10 +41,12 @@ _STEP = 1 << 20
 
 @dataclass(frozen=True)
 class Piece:
-    """``nbytes`` bytes of the file at ``offset``, taken from ``data`` or ``tensor``.
+    """``nbytes`` bytes of the file at ``offset``, taken from ``data``, ``tensor`` or ``addr``.
 
     ``tensor`` must be a contiguous 1-D uint8 tensor of exactly ``nbytes`` (a byte view of a
-    storage); the caller keeps it unchanged until the write completes.
+    storage, on any device); ``addr`` is the address of ``nbytes`` bytes of host memory (the
+    cheaper way to describe CPU memory). The caller keeps the bytes unchanged, and their owner
+    alive, until the write completes.
     """
 
     offset: int
@@ -52,6 +54,7 @@ class Piece:
     data: bytes | None = None
     tensor: torch.Tensor | None = None
     tag: Hashable | None = None
+    addr: int | None = None
 
     @property
     def end(self) -> int:
@@ -86,6 +89,8 @@ class _Pieces:
 
 
 def _cpu_address(piece: Piece) -> int | None:
+    if piece.addr is not None:
+        return piece.addr
     t = piece.tensor
     if t is None or t.device.type != "cpu":
         return None
@@ -120,16 +125,20 @@ def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers:
         buf_view[dst : dst + seg.nbytes] = memoryview(p.data)[seg.start : seg.start + seg.nbytes]
         hashers.update(p.tag, buf_view[dst : dst + seg.nbytes])
         return
-    if p.tensor is None:
-        raise ValueError(f"piece at offset {p.offset} has neither data nor tensor")
     src_addr = _cpu_address(p)
+    if src_addr is not None and seg.nbytes <= _STEP:  # the common small case, in one step
+        ctypes.memmove(buf_addr + dst, src_addr + seg.start, seg.nbytes)
+        hashers.update(p.tag, buf_view[dst : dst + seg.nbytes])
+        return
+    if p.tensor is None and src_addr is None:
+        raise ValueError(f"piece at offset {p.offset} has neither data, tensor nor address")
     done = 0
     while done < seg.nbytes:
         n = min(_STEP, seg.nbytes - done)
         d = dst + done
         if src_addr is not None:
             ctypes.memmove(buf_addr + d, src_addr + seg.start + done, n)
-        else:  # device memory: device-to-host copy into the (pinned) staging buffer
+        elif p.tensor is not None:  # device memory: device-to-host copy into the (pinned) staging buffer
             staging = torch.frombuffer(buf_view[d : d + n], dtype=torch.uint8)
             staging.copy_(p.tensor[seg.start + done : seg.start + done + n])
         hashers.update(p.tag, buf_view[d : d + n])

@@ -24,6 +24,7 @@ import ctypes
 import errno
 import queue
 import threading
+import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -299,7 +300,9 @@ def _staged(
         buf = pool.acquire()
         try:
             filled = 0
-            for seg in index.segments(pos, pos + n):
+            for k, seg in enumerate(index.segments(pos, pos + n)):
+                if k & 31 == 31:
+                    time.sleep(0)  # many small pieces: let a waiting training thread have the GIL
                 dst = seg.piece.offset + seg.start - pos
                 if dst > filled:
                     ctypes.memset(buf.addr + filled, 0, dst - filled)

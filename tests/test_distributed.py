@@ -145,7 +145,8 @@ def test_load_at_other_world_sizes(four_rank_checkpoint, world):
 
 def test_failure_on_rank_two_raises_everywhere(tmp_path):
     roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
-    Checkpointer(roots).save(8, replicated(8)).wait()  # world size 1: the previous checkpoint
+    with Checkpointer(roots) as first:  # world size 1: the previous checkpoint
+        first.save(8, replicated(8)).wait()
     out = _run(tmp_path, 4, roots, "fail")
     for r in range(4):
         msg = open(os.path.join(out, f"error{r}.txt")).read()
@@ -154,9 +155,10 @@ def test_failure_on_rank_two_raises_everywhere(tmp_path):
     leftovers = [n for root in roots if os.path.isdir(os.path.join(root, "step-00000009"))
                  for n in os.listdir(os.path.join(root, "step-00000009"))]
     assert leftovers == []  # every rank removed what it wrote
-    ck = Checkpointer(roots)  # and start-up removes any directory left
-    assert not os.path.exists(os.path.join(roots[0], "step-00000009"))
+    ck = Checkpointer(roots)
     assert ck.latest_step() == 8 and _equal(ck.load(), replicated(8))
+    ck.save(10, replicated(10)).wait()  # the next writer removes any directory left
+    assert not os.path.exists(os.path.join(roots[0], "step-00000009"))
 
 
 def test_one_writer_per_node(tmp_path):

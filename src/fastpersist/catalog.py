@@ -98,12 +98,19 @@ def read_latest(root: str) -> int | None:
     return committed[-1] if committed else None
 
 
-def write_atomic(directory: str, name: str, data: bytes, backend: FileBackend) -> None:
-    """Write ``directory/name`` durably and atomically: temp name, fsync, rename, fsync dir."""
+def write_atomic(directory: str, name: str, data: bytes, backend: FileBackend, events: bool = False) -> None:
+    """Write ``directory/name`` durably and atomically: temp name, fsync, rename, fsync dir.
+
+    With ``events``, the backend hears "after-manifest-temp" and "after-rename".
+    """
     temp = os.path.join(directory, f".{name}{TEMP_SUFFIX}-{secrets.token_hex(4)}")
     try:
         backend.write_small(temp, data, 0)
+        if events:
+            backend.event("after-manifest-temp")
         backend.replace(temp, os.path.join(directory, name))
+        if events:
+            backend.event("after-rename")
     except BaseException:
         try:
             os.unlink(temp)

@@ -37,6 +37,7 @@ from fastpersist.errors import CheckpointError, CheckpointNotFoundError, Checkpo
 from fastpersist.format import manifest as mf
 from fastpersist.handle import SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
+from fastpersist.lock import RootLock
 from fastpersist.plan import Extent, plan, plan_digest
 from fastpersist.retention import Retention
 from fastpersist.stage import Arena, capture, capture_storages, copy_bytes, guarded_storages, plain, storages_of
@@ -151,8 +152,8 @@ class Checkpointer:
                 self.backend.makedirs(root)
             except OSError as e:
                 raise CheckpointWriteError(f"cannot create checkpoint root {root}: {e.strerror or e}") from e
-        if clean_start and self.rank == 0:
-            catalog.clean_incomplete(self.roots)
+        self._clean_start = clean_start
+        self._lock_file = RootLock(self.roots[0])
 
     @property
     def config(self) -> IOConfig:
@@ -364,7 +365,7 @@ class Checkpointer:
         step = job.step
         slots = [(r, j) for r in self.writer_ranks for j in range(len(self.roots))]
         digest = plan_digest(rep.sizes, len(slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
-        proposals = agree(self.comm, f"preparing checkpoint step {step}", lambda: (digest, secrets.token_hex(6)))
+        proposals = agree(self.comm, f"preparing checkpoint step {step}", lambda: self._prepare_step(digest))
         differing = [r for r, (d, _) in enumerate(proposals) if d != proposals[0][0]]
         if differing:
             raise CheckpointWriteError(
@@ -393,6 +394,15 @@ class Checkpointer:
         m.bytes_written = sum(m.bytes_per_root.values())
         m.bytes_total = sum(e.nbytes for w in written for r in w.reports for e in r.extents)
         m.total_s = time.perf_counter() - job.started
+
+    def _prepare_step(self, digest: str) -> tuple[str, str]:
+        """Step 1 on this rank. The coordinator takes the root's lock on the first save and
+        then, owning the roots, removes what a crashed run left there (before anyone writes)."""
+        if self.rank == 0 and not self._lock_file.held:
+            self._lock_file.acquire()
+            if self._clean_start:
+                catalog.clean_incomplete(self.roots)
+        return digest, secrets.token_hex(6)
 
     def _write(self, name: str, save_id: str, job: _Job, rep: sharded.Prepared, own: sharded.Prepared | None,
                extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
@@ -433,6 +443,7 @@ class Checkpointer:
             objects[own.name] = (own.keys, own.sizes)
         for d in dirs:  # the new files' directory entries are durable too
             self.backend.fsync_dir(d)
+        self.backend.event("after-data")
         return _Written(reports, objects)
 
     def _commit(self, step: int, save_id: str, written: list[_Written],
@@ -450,9 +461,11 @@ class Checkpointer:
                                user=dict(metadata or {}))
         step_path = os.path.join(self.roots[0], catalog.step_dir(step))
         # The commit point: the manifest is written last, after every rank's data is durable.
-        catalog.write_atomic(step_path, mf.MANIFEST_NAME, manifest.to_json(), self.backend)
+        catalog.write_atomic(step_path, mf.MANIFEST_NAME, manifest.to_json(), self.backend, events=True)
+        self.backend.event("before-latest")
         try:
             catalog.write_atomic(self.roots[0], catalog.LATEST, f"{catalog.step_dir(step)}\n".encode(), self.backend)
+            self.backend.event("after-latest")
         except OSError as e:  # committed anyway: readers fall back to the highest committed step
             logger.warning("fastpersist: checkpoint step %d is committed but %s could not be updated: %s",
                            step, os.path.join(self.roots[0], catalog.LATEST), e)
@@ -499,6 +512,7 @@ class Checkpointer:
                 h.remove()
             self._hooks.clear()
             self._protected.clear()
+            self._lock_file.release()
 
     def __enter__(self) -> Checkpointer:
         return self

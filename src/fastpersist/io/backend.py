@@ -14,33 +14,65 @@ import os
 from fastpersist.io.files import DirectFile, fsync_dir
 
 
+# Points of the save protocol where :meth:`FileBackend.event` is called, in order. A crash test
+# kills the process at one of them; see fastpersist.faults.
+PROTOCOL_POINTS = (
+    "after-data",  # this rank's data files and their directories are fsync'd
+    "after-manifest-temp",  # coordinator: the manifest is written and fsync'd under a temp name
+    "after-rename",  # coordinator: renamed to manifest.json (the commit), directory not yet fsync'd
+    "before-latest",  # coordinator: the commit is durable; `latest` not yet updated
+    "after-latest",  # coordinator: `latest` names the new checkpoint
+)
+
+
 class FileBackend:
     """Real files. ``root`` is the index of the checkpoint root a path belongs to."""
 
+    # Hooks a subclass may override (to delay, fail or count); they see paths, never data.
+
+    def before_open(self, root: int, path: str) -> None:
+        """Called before a file of the checkpoint is created."""
+
+    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
+        """Called (by a writer thread) before each write request."""
+
+    def before_fsync(self, path: str) -> None:
+        """Called before a file is fsync'd."""
+
+    def before_rename(self, dst: str) -> None:
+        """Called before a file is renamed to ``dst`` (an atomic commit)."""
+
+    def event(self, point: str) -> None:
+        """Called at each point of :data:`PROTOCOL_POINTS` as the save passes it."""
+
+    # The operations.
+
     def open(self, path: str, flags: int, direct: str, root: int) -> DirectFile:
+        self.before_open(root, path)
         file = DirectFile(path, flags, direct)
         file.on_write = lambda offset, nbytes: self.before_write(root, path, offset, nbytes)
         return file
 
-    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
-        """Called by a writer thread before each write request (may block or raise)."""
-
     def fsync(self, file: DirectFile) -> None:
+        self.before_fsync(file.path)
         os.fsync(file.fd)
 
     def write_small(self, path: str, data: bytes, root: int) -> None:
         """Create ``path`` (which must not exist) with ``data``, fsync'd."""
+        self.before_open(root, path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             self.before_write(root, path, 0, len(data))
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+            self.before_fsync(path)
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def replace(self, src: str, dst: str) -> None:
+        self.before_rename(dst)
         os.replace(src, dst)
 
     def fsync_dir(self, path: str) -> None:

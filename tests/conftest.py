@@ -84,3 +84,20 @@ def no_direct_fs(tmp_path) -> Iterator[str]:
         yield d
     finally:
         subprocess.run(["umount", "-l", d], check=False)
+
+
+@pytest.fixture
+def remountable_fs(tmp_path) -> Iterator[str]:
+    """A real 64 MiB tmpfs that a test can remount read-only (``remount(d, "ro")``)."""
+    d = str(tmp_path / "remount")
+    os.makedirs(d)
+    if not _mount(d, "size=64m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", d], check=False)
+
+
+def remount(path: str, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", path], check=True)

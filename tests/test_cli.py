@@ -58,3 +58,63 @@ def test_ls_and_convert(tmp_path, capsys):
     assert torch.equal(got["w"], state["w"]) and got["n"] == 3
     assert main(["convert", os.path.join(roots[0], "step-00000002"), target]) == 1
     assert "only 1 roots were given" in capsys.readouterr().err
+
+
+def _two_root_checkpoint(tmp_path):
+    import torch
+
+    from fastpersist.checkpointer import Checkpointer
+
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with Checkpointer(roots) as ck:
+        ck.save(1, {"w": torch.randn(300_000), "v": torch.randn(5000), "n": 1}).wait()
+    import json
+    import os
+
+    step = os.path.join(roots[0], "step-00000001")
+    return roots, step, json.load(open(os.path.join(step, "manifest.json")))
+
+
+def test_verify_reports_every_problem(tmp_path, capsys):
+    import os
+
+    roots, step, doc = _two_root_checkpoint(tmp_path)
+    assert main(["verify", step, "--root", roots[1]]) == 0
+    assert "OK step 1" in capsys.readouterr().out
+    # three problems at once: a flipped byte, a truncated file, a deleted file
+    files = doc["files"]
+    storages = doc["objects"]["replicated"]["storages"]
+    big = max(storages, key=lambda s: s["nbytes"])
+    e0, e1 = big["extents"][0], big["extents"][1]
+    path0 = os.path.join(roots[files[e0["file"]]["root"]], "step-00000001", files[e0["file"]]["name"])
+    with open(path0, "r+b") as f:
+        f.seek(e0["offset"] + 10)
+        f.write(b"\xff\xfe")
+    path1 = os.path.join(roots[files[e1["file"]]["root"]], "step-00000001", files[e1["file"]]["name"])
+    os.truncate(path1, 100)
+    skel = doc["objects"]["replicated"]["skeleton"]
+    os.unlink(os.path.join(roots[files[skel["file"]]["root"]], "step-00000001", files[skel["file"]]["name"]))
+    assert main(["verify", step, "--root", roots[1]]) == 1
+    out = capsys.readouterr().out
+    assert f"{path0}: object 'replicated' storage '{big['key']}'" in out and f"at offset {e0['offset']}" in out
+    assert f"{path1}: file: truncated" in out
+    assert "replicated.skel: file: missing" in out
+    assert "lies beyond the end of the file" in out  # the storages the truncation lost, by key
+    assert "problem(s) in step 1" in out
+
+
+def test_verify_single_file_and_garbage(tmp_path, capsys):
+    import torch
+
+    import fastpersist as fp
+
+    good = str(tmp_path / "m.pt")
+    fp.save({"w": torch.randn(1000)}, good)
+    assert main(["verify", good]) == 0
+    with open(good, "r+b") as f:
+        f.seek(-200, 2)
+        f.write(b"junk" * 10)
+    assert main(["verify", good]) == 1
+    (tmp_path / "notckpt").mkdir()
+    assert main(["verify", str(tmp_path / "notckpt")]) == 1
+    assert "holds no committed checkpoint" in capsys.readouterr().out

@@ -56,6 +56,7 @@ class GlooComm:
         self._dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         # Two groups: the background save thread and the training thread each have their own,
         # so their collectives can never interleave.
@@ -68,7 +69,10 @@ class GlooComm:
         try:
             self._dist.all_gather_object(out, obj, group=self.groups[channel])
         except RuntimeError as e:  # gloo reports a dead or silent peer as a RuntimeError
-            raise CheckpointError(f"checkpoint coordination failed on rank {self.rank}: {e}") from e
+            raise CheckpointError(
+                f"checkpoint coordination failed on rank {self.rank}: another rank died or did not answer "
+                f"within {self.timeout_s:.0f} s (gloo: {str(e).splitlines()[0][:300]})"
+            ) from e
         return out
 
 

@@ -63,10 +63,15 @@ class FaultyBackend(FileBackend):
     """Real files, with :class:`Fault` s injected. ``fired`` lists what fired, in order."""
 
     def __init__(self, faults: Sequence[Fault] = ()) -> None:
-        self.faults = list(faults)
-        self.fired: list[tuple[str, str]] = []
-        self._counts = [0] * len(self.faults)
         self._lock = threading.Lock()
+        self.arm(faults)
+
+    def arm(self, faults: Sequence[Fault]) -> None:
+        """Replace the faults (and restart their call counts)."""
+        with self._lock:
+            self.faults = list(faults)
+            self.fired: list[tuple[str, str]] = []
+            self._counts = [0] * len(self.faults)
 
     def _hit(self, op: str, root: int | None = None, path: str = "", point: str | None = None) -> None:
         for i, f in enumerate(self.faults):

@@ -9,6 +9,7 @@ _COMMANDS = {
     "bench": ("fastpersist.cli.bench", "main", "benchmark save/load against torch.save, DCP and the device"),
     "ls": ("fastpersist.cli.checkpoints", "ls_main", "list the checkpoints under a root"),
     "convert": ("fastpersist.cli.checkpoints", "convert_main", "write a sharded checkpoint as one torch.load file"),
+    "verify": ("fastpersist.cli.checkpoints", "verify_main", "read a checkpoint and check every checksum"),
 }
 
 

@@ -1,14 +1,16 @@
-"""``fastpersist ls ROOT`` and ``fastpersist convert CKPT_DIR OUT.pt``."""
+"""``fastpersist ls ROOT``, ``fastpersist convert CKPT_DIR OUT.pt``, ``fastpersist verify CKPT``."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 
+from fastpersist import catalog, sharded
 from fastpersist.checkpointer import list_checkpoints, load_checkpoint
 from fastpersist.errors import CheckpointError
-from fastpersist.single_file import save
+from fastpersist.single_file import load, save
 
 
 def _size(n: int) -> str:
@@ -53,4 +55,38 @@ def convert_main(argv: list[str]) -> int:
         print(f"fastpersist convert: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}")
+    return 0
+
+
+def verify_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fastpersist verify",
+                                description="read a checkpoint completely and check every checksum")
+    p.add_argument("checkpoint", help="a checkpoint directory (ROOT/step-N) or a single file from fastpersist.save")
+    p.add_argument("--root", action="append", default=[], help="another root of the checkpoint, in order")
+    args = p.parse_args(argv)
+    if os.path.isfile(args.checkpoint):
+        try:
+            load(args.checkpoint, map_location="cpu", verify=True)
+        except CheckpointError as e:
+            print(f"FAILED {e}")
+            return 1
+        print(f"OK {args.checkpoint}: every record matches its checksum")
+        return 0
+    first = os.path.abspath(args.checkpoint)
+    name = os.path.basename(first.rstrip(os.sep))
+    dirs = [first] + [os.path.join(os.path.abspath(r), name) for r in args.root]
+    try:
+        manifest = catalog.read_manifest(first)
+    except CheckpointError as e:
+        print(f"FAILED {e}")
+        return 1
+    problems, checked = sharded.verify(dirs, manifest)
+    for problem in problems:
+        print(f"FAILED {problem}")
+    if problems:
+        print(f"{len(problems)} problem(s) in step {manifest.step} ({first})")
+        return 1
+    storages = sum(len(o.storages) for o in manifest.objects.values())
+    print(f"OK step {manifest.step}: {len(manifest.objects)} objects, {storages} storages, "
+          f"{len(manifest.files)} files, {checked} bytes verified")
     return 0

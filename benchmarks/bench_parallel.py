@@ -188,7 +188,7 @@ def part_load(args: argparse.Namespace) -> None:
         sharded, one_file = [], []
         cold = True
         for _ in range(args.rounds):
-            for name, fn, out in [("sharded", lambda: ck.load(0), sharded), ("single", lambda: fp.load(single), one_file)]:
+            for fn, out in [(lambda: ck.load(0), sharded), (lambda: fp.load(single), one_file)]:
                 cold = _drop_caches() and cold
                 t0 = time.perf_counter()
                 obj = fn()

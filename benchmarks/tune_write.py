@@ -35,7 +35,7 @@ def main() -> None:
     path = os.path.join(args.dir, "tune.pt")
     for r in range(args.rounds):
         for name, cfg in configs.items():
-            s, _ = measure(lambda: fp.save(state, path, config=cfg))
+            s, _ = measure(lambda cfg=cfg: fp.save(state, path, config=cfg))
             gbps[name].append(payload / s.seconds / GB)
             cores[name].append(s.cpu_seconds / s.seconds)
             os.unlink(path)

@@ -184,7 +184,7 @@ def test_faults_over_three_ranks(tmp_path, mode):
     mp.start_processes(_rank_worker, args=(3, f"file://{tmp_path}/rdv", root, mode, str(tmp_path)), nprocs=3,
                        start_method="spawn")
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(3)]
-    for r, res in enumerate(results):
+    for res in results:
         assert "failed on rank 1: " in res["ENOSPC on rank 1"] and "No space left" in res["ENOSPC on rank 1"], res
         assert "failed on rank 2: " in res["EIO fsync on rank 2"], res
         assert "committing checkpoint step 2 failed on rank 0" in res["ENOSPC in commit"], res

@@ -12,7 +12,7 @@ import fastpersist as fp
 from fastpersist.config import IOConfig
 from fastpersist.format import torchzip
 
-from conftest import open_fds, supports_direct
+from conftest import open_fds
 
 
 def _equal(a: object, b: object) -> bool:
@@ -320,7 +320,7 @@ def test_full_filesystem_during_data_writes(small_fs, small_io, monkeypatch):
     """Without preallocation the failure comes from a data write, and is handled the same."""
     import fastpersist.single_file as sf
 
-    monkeypatch.setattr(sf, "_preallocate", lambda fd, size: None)
+    monkeypatch.setattr(sf, "preallocate", lambda fd, size: None)
     path = os.path.join(small_fs, "x.pt")
     with pytest.raises(fp.CheckpointWriteError, match="No space left"):
         fp.save({"t": torch.randn(3_000_000)}, path, config=small_io)

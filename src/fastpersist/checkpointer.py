@@ -211,7 +211,7 @@ class Checkpointer:
         next. An earlier checkpoint's background failure is raised here (once).
         """
         t0 = time.perf_counter()
-        name = catalog.step_dir(step)  # validates the step
+        catalog.step_dir(step)  # validates the step before anything else
         self._raise_failed()
         handle = SaveHandle(SaveMetrics(step, self.mode))
         if not self._make_room(handle):

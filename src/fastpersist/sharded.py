@@ -18,7 +18,6 @@ loader; the object's tensors are views of that buffer, with no copy after the re
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import threading
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ from fastpersist.format import manifest as mf
 from fastpersist.format import skeleton, torchzip
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, BufferPool, align_up, aligned_empty, memory_view, shared_pool
-from fastpersist.io.files import DirectFile
+from fastpersist.io.files import DirectFile, preallocate
 from fastpersist.io.reader import ReadRequest, read_into
 from fastpersist.io.writer import Piece, write_pieces
 from fastpersist.plan import Extent
@@ -122,17 +121,6 @@ def _placement(prepared: Prepared, extents: Sequence[Extent]) -> tuple[list[Piec
     return pieces, placed, pos
 
 
-def _preallocate(fd: int, size: int) -> None:
-    """Reserve the file's blocks: a full disk fails before any data is written."""
-    if size == 0:
-        return
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-
-
 def write_file(prepared: Prepared, extents: Sequence[Extent], root: int, path: str,
                backend: FileBackend, config: IOConfig, pool: BufferPool) -> FileReport:
     """Write one slot's extents to a new file at ``path`` and fsync it."""
@@ -142,7 +130,7 @@ def write_file(prepared: Prepared, extents: Sequence[Extent], root: int, path: s
     except OSError as e:
         raise CheckpointWriteError(f"cannot create {path}: {e.strerror or e}") from e
     try:
-        _preallocate(file.fd, size)
+        preallocate(file.fd, size)
         digests = write_pieces(file, pieces, config, pool)
         backend.fsync(file)
     except CheckpointWriteError:

@@ -12,7 +12,6 @@ rebuilds the object with storages that are slices of that buffer (no copy). With
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -32,7 +31,7 @@ from fastpersist.errors import (
 )
 from fastpersist.format import skeleton, torchzip
 from fastpersist.io.buffers import aligned_empty, align_down, align_up, memory_view, shared_pool
-from fastpersist.io.files import DirectFile, pread_into, pwrite_all
+from fastpersist.io.files import DirectFile, pread_into, preallocate, pwrite_all
 from fastpersist.io.reader import ReadRequest, read_into
 from fastpersist.io.writer import Piece, write_pieces
 
@@ -47,16 +46,6 @@ def _pieces(layout: torchzip.Layout) -> list[Piece]:
         if s.nbytes:
             pieces.append(Piece(s.offset, s.nbytes, tensor=torchzip.byte_view(s.storage), tag=s.name))
     return pieces
-
-
-def _preallocate(fd: int, size: int) -> None:
-    """Reserve the file's blocks up front: a full disk fails before any data is written."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # the filesystem cannot: not an error
-            return
-        raise
 
 
 def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None:
@@ -78,7 +67,7 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None
         raise CheckpointWriteError(f"cannot save {path}: cannot create a file in {directory}: {e.strerror or e}") from e
     try:
         try:
-            _preallocate(file.fd, layout.file_size)
+            preallocate(file.fd, layout.file_size)
             pool = shared_pool(cfg.chunk_bytes, cfg.num_buffers)
             digests: dict[Any, int] = dict(write_pieces(file, _pieces(layout), cfg, pool))
             file_direct = file.is_direct  # False if the filesystem refused O_DIRECT on the way

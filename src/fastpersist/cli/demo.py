@@ -14,7 +14,6 @@ uninterrupted run: they continue exactly.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import signal
@@ -214,8 +213,8 @@ def part_overhead(args: argparse.Namespace, workdir: str) -> None:
             it = statistics.median(x["iter"] for x in rs)
             label = {"none": "no checkpoint", "torch.save": "torch.save + fsync"}.get(mode, f"fastpersist {mode}")
 
-            def col(key: str, fmt: str = "{:.1f}") -> str:
-                return fmt.format(statistics.median(x[key] for x in rs)) if key in rs[0] else "-"
+            def col(key: str, rs: list[dict[str, float]] = rs) -> str:
+                return f"{statistics.median(x[key] for x in rs):.1f}" if key in rs[0] else "-"
 
             print(f"| {label} | {it * 1e3:.1f} | {'-' if mode == 'none' else f'{(it / base - 1) * 100:+.1f}%'} | "
                   f"{col('blocked_ms')} | {col('copied_mb')} | {col('write_ms')} |", flush=True)
@@ -285,8 +284,7 @@ def crash_and_resume(directory: str, steps: int = 24, kill_after: int = 10, slow
     proc = subprocess.Popen(_train_cmd("--dir", run_dir, "--kind", kind, "--steps", str(steps), "--mode", "overlap",
                                        "--slow-write-ms", str(slow_ms)), stdout=subprocess.PIPE, text=True)
     killed_lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in proc.stdout or ():
         killed_lines.append(line)
         if line.startswith(f"step {kill_after} "):
             time.sleep(slow_ms / 1e3 * 3)  # well inside the next checkpoint's writes

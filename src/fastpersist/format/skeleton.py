@@ -36,7 +36,7 @@ def serialize(obj: object, protocol: int = 2) -> tuple[dict[str, bytes], list[st
     storages: list[torch.UntypedStorage] = []
     dtypes: dict[int, torch.dtype] = {}
     locations: dict[torch.device, str] = {}
-    typed, untyped, is_storage = torch.storage.TypedStorage, torch.UntypedStorage, torch.is_storage
+    typed, is_storage = torch.storage.TypedStorage, torch.is_storage
 
     def storage_id(o: Any) -> tuple[str, Any, str, str, int] | None:
         if isinstance(o, typed):

@@ -126,3 +126,15 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve a file's blocks up front: a full disk fails before any data is written (and ext4
+    allocates one contiguous extent). Filesystems that cannot do it are not an error."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise

@@ -112,6 +112,8 @@ def _placement(prepared: Prepared, extents: Sequence[Extent]) -> tuple[list[Piec
             phase = ((storage.data_ptr() + e.start) % ALIGN) if on_cpu else 0
             offset = pos - pos % ALIGN + phase
             pos = offset if offset >= pos else offset + ALIGN
+        else:  # packed, on element-safe boundaries: a reader can map them straight from one read
+            pos = align_up(pos, _ELEMENT_ALIGN)
         if on_cpu:  # host memory is described by its address (the Prepared keeps it alive)
             pieces.append(Piece(pos, e.nbytes, tag=k, addr=storage.data_ptr() + e.start))
         else:
@@ -237,25 +239,56 @@ def _read_skeleton(dirs: Sequence[str], manifest: mf.Manifest, name: str, verify
     return skeleton.decode(path, raw)
 
 
-def _buffer_layout(entry: mf.ObjectEntry) -> tuple[list[int], int]:
-    """Offset of every storage in the read buffer, and the buffer's size.
+# Packed extents closer than this in a file are read with one request (the gap is read too).
+_MERGE_GAP = 64 * 1024
 
-    A large storage starts at the alignment phase of its largest extent's file offset, so the
-    reader can use O_DIRECT for it; small ones are packed on 64-byte boundaries.
+
+def _read_plan(entry: mf.ObjectEntry) -> tuple[list[int], int, dict[int, list[tuple[int, int, int, int]]]]:
+    """Where every storage goes in the read buffer, the buffer's size, and the reads.
+
+    Storages held whole by one extent at an element-aligned offset are read *in runs*: the
+    extents of a file that lie close together are read with one request into one area of the
+    buffer that mirrors the file, so many small storages cost one large O_DIRECT read. A storage
+    cut over several files gets its own area (at the phase of its largest extent, so its reads
+    are O_DIRECT too). Reads are (file offset, nbytes, buffer offset, capacity) per file.
     """
-    bases = []
+    storages = entry.storages
+    bases = [0] * len(storages)
+    reads: dict[int, list[tuple[int, int, int, int]]] = {}
     pos = 0
-    for s in entry.storages:
-        if s.nbytes >= _PHASE_MIN and s.extents:
-            big = max(s.extents, key=lambda e: e.nbytes)
-            phase = (big.offset - big.start) % ALIGN
-            base = pos - pos % ALIGN + phase
-            pos = base if base >= pos else base + ALIGN
-        else:
-            pos = align_up(pos, _ELEMENT_ALIGN)
-        bases.append(pos)
-        pos = align_up(pos + s.nbytes) if s.nbytes >= _PHASE_MIN else pos + s.nbytes
-    return bases, align_up(pos)
+    whole: dict[int, list[tuple[int, int, int]]] = {}  # file -> (offset, nbytes, storage)
+    separate = []
+    for i, s in enumerate(storages):
+        if len(s.extents) == 1 and s.extents[0].offset % _ELEMENT_ALIGN == 0:
+            e = s.extents[0]
+            whole.setdefault(e.file, []).append((e.offset, e.nbytes, i))
+        elif s.extents:
+            separate.append(i)
+    for f, spans in sorted(whole.items()):
+        spans.sort()
+        k = 0
+        while k < len(spans):
+            start, end, j = spans[k][0], spans[k][0] + spans[k][1], k + 1
+            while j < len(spans) and spans[j][0] - end <= _MERGE_GAP:
+                end = max(end, spans[j][0] + spans[j][1])
+                j += 1
+            area = align_up(pos) + start % ALIGN
+            for offset, _, i in spans[k:j]:
+                bases[i] = area + offset - start
+            reads.setdefault(f, []).append((start, end - start, area, align_up(area + end - start) - area))
+            pos = align_up(area + end - start)
+            k = j
+    for i in separate:
+        s = storages[i]
+        big = max(s.extents, key=lambda e: e.nbytes)
+        base = align_up(pos) + (big.offset - big.start) % ALIGN
+        bases[i] = base
+        for e in s.extents:
+            last = e.start + e.nbytes == s.nbytes  # only the last extent may read into the slack
+            capacity = align_up(base + s.nbytes) - base - e.start if last else e.nbytes
+            reads.setdefault(e.file, []).append((e.offset, e.nbytes, base + e.start, capacity))
+        pos = align_up(base + s.nbytes)
+    return bases, align_up(pos), reads
 
 
 def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_location: Any,
@@ -265,15 +298,11 @@ def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_lo
         raise CheckpointReadError(f"the checkpoint of step {manifest.step} holds no object {name!r}")
     entry = manifest.objects[name]
     small = _read_skeleton(dirs, manifest, name, verify)
-    bases, size = _buffer_layout(entry)
+    bases, size, reads = _read_plan(entry)
     buf = aligned_empty(size, pin=False)
     addr = buf.data_ptr()
-    by_file: dict[int, list[ReadRequest]] = {}
-    for s, base in zip(entry.storages, bases):
-        for e in s.extents:
-            last = e.start + e.nbytes == s.nbytes
-            capacity = (align_up(base + s.nbytes) - base - e.start) if last and s.nbytes >= _PHASE_MIN else e.nbytes
-            by_file.setdefault(e.file, []).append(ReadRequest(e.offset, e.nbytes, addr + base + e.start, capacity, fresh=True))
+    by_file = {f: [ReadRequest(off, n, addr + at, cap, fresh=True) for off, n, at, cap in rs]
+               for f, rs in reads.items()}
     _read_files(dirs, manifest, by_file, config)
     if verify:
         _verify(dirs, manifest, name, entry, bases, addr, config.reader_threads)

@@ -76,8 +76,14 @@ def _drop_caches() -> bool:
 
 
 def _clear(roots: list[str]) -> None:
+    """Remove the checkpoints (not the roots: a Checkpointer holds a lock file there)."""
     for r in roots:
-        shutil.rmtree(r, ignore_errors=True)
+        for name in os.listdir(r) if os.path.isdir(r) else []:
+            path = os.path.join(r, name)
+            if name.startswith("step-"):
+                shutil.rmtree(path, ignore_errors=True)
+            elif name == "latest":
+                os.unlink(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +96,7 @@ def _worker(rank: int, world: int, init: str, job: dict, results: Any) -> None:
     try:
         state = gpt_state(job["gib"], seed=1) if job["gib"] > 0 else {"x": torch.ones(4)}
         backend = TokenBucketBackend(job["cap"], job["clocks"]) if job.get("cap") else None
-        ck = Checkpointer(job["roots"], writers=job.get("writers", "all"), backend=backend)
+        ck = Checkpointer(job["roots"], mode="sync", writers=job.get("writers", "all"), backend=backend)
         times = []
         for i in range(job["rounds"]):
             if rank == 0:
@@ -100,6 +106,7 @@ def _worker(rank: int, world: int, init: str, job: dict, results: Any) -> None:
             ck.save(i, state).wait()
             dist.barrier()
             times.append(time.perf_counter() - t0)
+        ck.close()
         if rank == 0:
             results.put(times)
     finally:
@@ -133,13 +140,14 @@ def part_scaling(args: argparse.Namespace) -> None:
                 roots = [os.path.join(base, f"root{j}") for j in range(k)]
                 clocks = [ctx.Value("d", 0.0) for _ in range(k)]
                 if ranks == 1:
-                    ck = Checkpointer(roots, backend=TokenBucketBackend(cap, clocks))
+                    ck = Checkpointer(roots, mode="sync", backend=TokenBucketBackend(cap, clocks))
                     times = []
                     for i in range(args.rounds):
                         _clear(roots)
                         t0 = time.perf_counter()
                         ck.save(i, state).wait()
                         times.append(time.perf_counter() - t0)
+                    ck.close()
                 else:
                     times = _multi(ranks, {"gib": args.gib, "roots": roots, "rounds": args.rounds,
                                            "cap": cap, "clocks": clocks})

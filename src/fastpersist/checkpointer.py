@@ -163,6 +163,11 @@ class Checkpointer:
     def rank(self) -> int:
         return self.comm.rank
 
+    @property
+    def snapshot_memory(self) -> int:
+        """Host bytes the snapshot arena holds now (never more than ``snapshot_bytes``)."""
+        return self._arena.allocated
+
     # -----------------------------------------------------------------------------------------
     # the overlap guard
 

@@ -41,6 +41,7 @@ class RootLock:
         if self.held:
             return
         try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise CheckpointWriteError(f"cannot create the lock file {self.path}: {e.strerror or e}") from e

@@ -241,6 +241,9 @@ def _read_skeleton(dirs: Sequence[str], manifest: mf.Manifest, name: str, verify
 
 # Packed extents closer than this in a file are read with one request (the gap is read too).
 _MERGE_GAP = 64 * 1024
+# Files read at once (each with reader_threads requests in flight). Measured (0.5 GiB written by
+# 4 ranks, cold cache, vs single-file load): 1 file 0.93, 2 files 0.96, 4 files 0.92.
+_FILES_AT_ONCE = 2
 
 
 def _read_plan(entry: mf.ObjectEntry) -> tuple[list[int], int, dict[int, list[tuple[int, int, int, int]]]]:
@@ -336,7 +339,7 @@ def _read_files(dirs: Sequence[str], manifest: mf.Manifest, by_file: dict[int, l
         for f in files:
             one(f)
         return
-    with ThreadPoolExecutor(max_workers=min(len(files), 4), thread_name_prefix="fastpersist-files") as ex:
+    with ThreadPoolExecutor(max_workers=min(len(files), _FILES_AT_ONCE), thread_name_prefix="fastpersist-files") as ex:
         for fut in [ex.submit(one, f) for f in files]:
             fut.result()
 

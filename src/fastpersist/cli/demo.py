@@ -186,6 +186,7 @@ def _run_mode(kind: str, mode: str, iters: int, warmup: int, workdir: str) -> di
         out["blocked_ms"] = statistics.median(m.blocked_s for m in hist) * 1e3
         out["copied_mb"] = statistics.median(m.bytes_copied for m in hist) / 1e6
         out["write_ms"] = statistics.median(m.write_s for m in hist) * 1e3
+        out["arena_mb"] = ck.snapshot_memory / 1e6
     elif blocked:
         out["blocked_ms"] = statistics.median(blocked) * 1e3
     return out
@@ -198,7 +199,7 @@ def part_overhead(args: argparse.Namespace, workdir: str) -> None:
         train_step(model, opt, data)
         nparams = sum(p.numel() for p in model.parameters())
         print(f"\n## {kind}: {nparams / 1e6:.1f} M parameters, checkpoint {state_bytes(model, opt) / 1e6:.0f} MB "
-              f"(weights + AdamW moments), batch {BATCH} x 128 tokens, {torch.get_num_threads()} threads", flush=True)
+              f"(weights + AdamW moments), batch {BATCH} x 128 tokens, training threads: {torch.get_num_threads()}", flush=True)
         results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         for r in range(args.rounds):  # modes alternate, so a noisy moment does not hit one mode
             for mode in modes if r % 2 == 0 else list(reversed(modes)):
@@ -206,8 +207,8 @@ def part_overhead(args: argparse.Namespace, workdir: str) -> None:
                 results[mode].append(_run_mode(kind, mode, args.iters, args.warmup, workdir))
         base = statistics.median(x["iter"] for x in results["none"])
         print("\n| checkpoint every iteration | mean iteration (ms) | overhead | blocked per save (ms) | "
-              "copied at save (MB) | background write (ms) |")
-        print("|---|---|---|---|---|---|")
+              "copied at save (MB) | snapshot memory (MB) | background write (ms) |")
+        print("|---|---|---|---|---|---|---|")
         for mode in modes:
             rs = results[mode]
             it = statistics.median(x["iter"] for x in rs)
@@ -217,7 +218,7 @@ def part_overhead(args: argparse.Namespace, workdir: str) -> None:
                 return f"{statistics.median(x[key] for x in rs):.1f}" if key in rs[0] else "-"
 
             print(f"| {label} | {it * 1e3:.1f} | {'-' if mode == 'none' else f'{(it / base - 1) * 100:+.1f}%'} | "
-                  f"{col('blocked_ms')} | {col('copied_mb')} | {col('write_ms')} |", flush=True)
+                  f"{col('blocked_ms')} | {col('copied_mb')} | {col('arena_mb')} | {col('write_ms')} |", flush=True)
 
 
 # ------------------------------------------------------------------------------- part 2

@@ -14,6 +14,11 @@ failure anywhere raises everywhere and nobody waits in a collective the others s
 If step 2 or 3 fails anywhere, no manifest exists, ``latest`` is unchanged, and each rank removes
 the files it wrote for this save id. Loading needs no process group and no particular world
 size: every extent is read straight into the destination buffer from whichever file holds it.
+
+``save()`` itself only captures the state (stage.py: copies into the snapshot arena, guarded
+tensors left live in overlap mode) and queues the job; one worker thread runs the protocol for
+each job in order, so every rank issues the same collectives in the same order. In ``sync``
+mode, or when the copies would exceed the arena's budget, the protocol runs inside ``save()``.
 """
 
 from __future__ import annotations

@@ -289,3 +289,17 @@ def test_sigkill_during_a_write_resumes_exactly(tmp_path):
     assert sorted(resumed) == list(range(r["resumed_from"] + 1, 14))
     assert all(resumed[s] == reference[s] for s in resumed)
     assert any(r["killed"][s] == reference[s] for s in r["killed"])  # the killed run was the same run
+
+
+def test_checkpoint_in_flight_at_exit_is_finished(tmp_path):
+    """A job that ends right after save(), without close(), still gets its last checkpoint."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "ck")
+    code = ("import torch; from fastpersist.checkpointer import Checkpointer; "
+            "from fastpersist.faults import Fault, FaultyBackend; "
+            f"c = Checkpointer({root!r}, backend=FaultyBackend([Fault('write', None, at=0, delay_s=0.2)])); "
+            "h = c.save(1, {'x': torch.ones(10)}); assert not h.done()")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert Checkpointer(root).latest_step() == 1

@@ -23,12 +23,14 @@ mode, or when the copies would exceed the arena's budget, the protocol runs insi
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +161,7 @@ class Checkpointer:
                 raise CheckpointWriteError(f"cannot create checkpoint root {root}: {e.strerror or e}") from e
         self._clean_start = clean_start
         self._lock_file = RootLock(self.roots[0])
+        atexit.register(_finish_at_exit, weakref.ref(self))
 
     @property
     def config(self) -> IOConfig:
@@ -572,6 +575,18 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return catalog.read_latest(self.roots[0])
+
+
+def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    """At interpreter exit, finish the checkpoints still in flight (the worker is a daemon
+    thread: without this, a job that ends without close() would lose its last checkpoint)."""
+    ck = ref()
+    if ck is None or ck._worker is None:
+        return
+    try:
+        ck.close()
+    except Exception as e:  # noqa: BLE001 - exiting anyway; say what was lost
+        logger.error("fastpersist: a checkpoint in flight at exit failed: %s", e)
 
 
 def _load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping[str, Any] | None,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -36,35 +37,32 @@ def supports_direct(path: str) -> bool:
     return True
 
 
-def _mount(target: str, options: str, fstype: str = "tmpfs") -> bool:
-    r = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, target], capture_output=True)
-    return r.returncode == 0
+@contextlib.contextmanager
+def _mounted(tmp_path, name: str, options: str, fstype: str = "tmpfs") -> Iterator[str]:
+    """A real filesystem mounted at tmp_path/name for the test (skipped without root)."""
+    d = str(tmp_path / name)
+    os.makedirs(d)
+    r = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, d], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"mounting a {fstype} needs root")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", d], check=False)
 
 
 @pytest.fixture
 def small_fs(tmp_path) -> Iterator[str]:
     """A real 8 MiB tmpfs: writes past its size fail with ENOSPC."""
-    d = str(tmp_path / "small")
-    os.makedirs(d)
-    if not _mount(d, "size=8m"):
-        pytest.skip("mounting a tmpfs needs root")
-    try:
+    with _mounted(tmp_path, "small", "size=8m") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
 
 
 @pytest.fixture
 def readonly_fs(tmp_path) -> Iterator[str]:
     """A real read-only filesystem (root ignores directory permissions, a ro mount it cannot)."""
-    d = str(tmp_path / "ro")
-    os.makedirs(d)
-    if not _mount(d, "size=1m,ro"):
-        pytest.skip("mounting a tmpfs needs root")
-    try:
+    with _mounted(tmp_path, "ro", "size=1m,ro") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
 
 
 def open_fds() -> set[str]:
@@ -74,29 +72,17 @@ def open_fds() -> set[str]:
 @pytest.fixture
 def no_direct_fs(tmp_path) -> Iterator[str]:
     """A real filesystem that refuses O_DIRECT (ramfs answers EINVAL on open)."""
-    d = str(tmp_path / "ramfs")
-    os.makedirs(d)
-    if not _mount(d, "size=64m", "ramfs"):
-        pytest.skip("mounting a ramfs needs root")
-    try:
+    with _mounted(tmp_path, "ramfs", "size=64m", "ramfs") as d:
         if supports_direct(d):
             pytest.skip("this ramfs accepts O_DIRECT")
         yield d
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
 
 
 @pytest.fixture
 def remountable_fs(tmp_path) -> Iterator[str]:
     """A real 64 MiB tmpfs that a test can remount read-only (``remount(d, "ro")``)."""
-    d = str(tmp_path / "remount")
-    os.makedirs(d)
-    if not _mount(d, "size=64m"):
-        pytest.skip("mounting a tmpfs needs root")
-    try:
+    with _mounted(tmp_path, "remount", "size=64m") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
 
 
 def remount(path: str, mode: str) -> None:

@@ -47,7 +47,7 @@ from fastpersist.io.backend import FileBackend
 from fastpersist.lock import RootLock
 from fastpersist.plan import Extent, plan, plan_digest
 from fastpersist.retention import Retention
-from fastpersist.stage import Arena, capture, capture_storages, copy_bytes, guarded_storages, plain, storages_of
+from fastpersist.stage import Arena, capture, capture_storages, copy_bytes, guarded_storages, scan
 from fastpersist.state import restore_into, to_saveable
 
 logger = logging.getLogger(__name__)
@@ -283,13 +283,14 @@ class Checkpointer:
         """
         live = self._guarded() if self.mode == "overlap" else set()
         objs = [job.state] + ([job.rank_state] if job.rank_state is not None else [])
-        if not all(plain(o) for o in objs):
+        scans = [scan(o) for o in objs]
+        if not all(is_plain for is_plain, _ in scans):
             rep = sharded.prepare(mf.REPLICATED, job.state)
             own = sharded.prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
             job.prepared = (rep, own)
             storages = rep.storages + (own.storages if own else [])
         else:
-            storages = [s for o in objs for s in storages_of(o)]
+            storages = [s for _, found in scans for s in found]
         need = copy_bytes(storages, live)
         if not self._arena.fits(need):
             logger.info("fastpersist: checkpoint step %d needs %.1f MB of snapshot memory, over the budget of "

@@ -94,10 +94,12 @@ def _tensors(obj: Any, out: dict[int, torch.UntypedStorage]) -> bool:
     return isinstance(obj, _IMMUTABLE)
 
 
-def plain(obj: Any) -> bool:
-    """Whether ``obj`` holds only containers, tensors and immutable values (a state_dict's
-    usual content), so that :func:`capture` can copy it without pickling it."""
-    return _tensors(obj, {})
+def scan(obj: Any) -> tuple[bool, list[torch.UntypedStorage]]:
+    """Whether ``obj`` is *plain* (only containers, tensors and immutable values: a state_dict's
+    usual content, which :func:`capture` can copy without pickling it), and its storages."""
+    found: dict[int, torch.UntypedStorage] = {}
+    is_plain = _tensors(obj, found)
+    return is_plain, list(found.values())
 
 
 def copy_bytes(storages: Iterable[torch.UntypedStorage], live: set[int]) -> int:
@@ -105,11 +107,6 @@ def copy_bytes(storages: Iterable[torch.UntypedStorage], live: set[int]) -> int:
     found = {storage_key(s): s for s in storages}
     return sum(align_up(s.nbytes()) for k, s in found.items() if k not in live)
 
-
-def storages_of(obj: Any) -> list[torch.UntypedStorage]:
-    found: dict[int, torch.UntypedStorage] = {}
-    _tensors(obj, found)
-    return list(found.values())
 
 
 class _Capture:

@@ -323,9 +323,9 @@ def main(argv: list[str]) -> int:
         return train_main(argv[1:])
     p = argparse.ArgumentParser(prog="fastpersist demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=12, help="measured iterations per run")
+    p.add_argument("--iters", type=int, default=15, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="runs of every mode (alternating order)")
+    p.add_argument("--rounds", type=int, default=3, help="runs of every mode (alternating order)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--threads", type=int, default=1,
                    help="training's intra-op threads (default 1: leaves a core for I/O, as a GPU job leaves "

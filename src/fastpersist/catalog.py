@@ -14,14 +14,15 @@ the pointer's update loses nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fastpersist.commit import TEMP_MARKER, discard, temp_path_for
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-TEMP_SUFFIX = ".fastpersist-tmp"
+TEMP_SUFFIX = TEMP_MARKER  # in the name of every temporary file fastpersist writes
 
 
 def step_dir(step: int) -> str:
@@ -103,19 +104,18 @@ def write_atomic(directory: str, name: str, data: bytes, backend: FileBackend, e
 
     With ``events``, the backend hears "after-manifest-temp" and "after-rename".
     """
-    temp = os.path.join(directory, f".{name}{TEMP_SUFFIX}-{secrets.token_hex(4)}")
+    final = os.path.join(directory, name)
+    temp = temp_path_for(final)
     try:
         backend.write_small(temp, data, 0)
         if events:
             backend.event("after-manifest-temp")
-        backend.replace(temp, os.path.join(directory, name))
+        backend.replace(temp, final)
         if events:
             backend.event("after-rename")
     except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # keep the original error
+            discard(temp)
         raise
     backend.fsync_dir(directory)
 

@@ -254,7 +254,7 @@ class Checkpointer:
         """Back-pressure: False if this checkpoint is skipped."""
         with self._lock:
             busy = len(self._in_flight) >= self.max_in_flight
-        if self.comm.world_size > 1:  # every rank must take the same decision
+        if self.when_busy == "skip" and self.comm.world_size > 1:  # every rank must skip alike
             busy = any(self.comm.all_gather(busy, channel="control"))
         if not busy:
             return True

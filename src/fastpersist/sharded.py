@@ -18,6 +18,7 @@ loader; the object's tensors are views of that buffer, with no copy after the re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -62,7 +63,7 @@ class Prepared:
     storages: list[torch.UntypedStorage]
     sizes: list[int]
 
-    @property
+    @functools.cached_property
     def skeleton_checksum(self) -> int:
         return xxhash.xxh3_64_intdigest(self.skeleton)
 

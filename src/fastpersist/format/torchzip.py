@@ -36,7 +36,7 @@ _DIGEST_PLACEHOLDER = "0" * 16
 
 @dataclass
 class StorageRecord:
-    """A storage of the object and where its bytes go in the file (offset -1 when empty)."""
+    """A storage of the object and where its bytes go in the file."""
 
     name: str  # record name, "data/<key>"
     storage: torch.UntypedStorage
@@ -60,7 +60,6 @@ class Layout:
     tail: bytearray
     checksum_offset: int
     checksum_names: list[str] = field(default_factory=list)
-    small: dict[str, bytes] = field(default_factory=dict)  # torch's small records by name
 
     @property
     def file_size(self) -> int:
@@ -118,7 +117,6 @@ class _Recorder:
         self._real = real
         self._sink = sink
         self.storages: list[StorageRecord] = []
-        self.small: dict[str, bytes] = {}
         self.small_digests: dict[str, int] = {}
 
     def write_record(self, name: str, data: object, nbytes: int) -> None:
@@ -126,14 +124,13 @@ class _Recorder:
             storage = data if isinstance(data, torch.UntypedStorage) else data._untyped_storage
             self._sink.skipped_from = -1
             self._real.write_record_metadata(name, nbytes)
-            # torch skips a record's bytes with one seek from their start (none when empty)
-            self.storages.append(StorageRecord(name, storage, self._sink.skipped_from if nbytes else -1, nbytes))
+            if nbytes:  # torch skips the record's bytes with one seek from their start
+                self.storages.append(StorageRecord(name, storage, self._sink.skipped_from, nbytes))
             return
         if name == ".storage_alignment":
             data = str(STORAGE_ALIGNMENT)
             nbytes = len(data)
         raw = data.encode() if isinstance(data, str) else bytes(data)  # type: ignore[call-overload]
-        self.small[name] = raw
         self.small_digests[name] = xxhash.xxh3_64_intdigest(raw)
         self._real.write_record(name, data, nbytes)
 
@@ -154,7 +151,7 @@ def layout(obj: object, pickle_protocol: int = 2) -> Layout:
     except Exception as e:
         raise UnsaveableObjectError(f"the object cannot be serialized: {type(e).__name__}: {e}") from e
     body_end = sink.pos
-    names = sorted(rec.small_digests) + [s.name for s in rec.storages if s.nbytes]
+    names = sorted(rec.small_digests) + [s.name for s in rec.storages]
     size = len(_checksum_document({n: 0 for n in names}))
     real.write_record_metadata(CHECKSUM_RECORD, size)
     checksum_offset = sink.skipped_from
@@ -164,7 +161,7 @@ def layout(obj: object, pickle_protocol: int = 2) -> Layout:
     for off, b in sink.chunks:
         if off >= body_end:
             tail[off - body_end : off - body_end + len(b)] = b
-    return Layout(chunks, rec.storages, rec.small_digests, body_end, tail, checksum_offset, names, rec.small)
+    return Layout(chunks, rec.storages, rec.small_digests, body_end, tail, checksum_offset, names)
 
 
 def _checksum_document(digests: dict[str, int]) -> bytes:

@@ -127,10 +127,6 @@ def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers:
         hashers.update(p.tag, buf_view[dst : dst + seg.nbytes])
         return
     src_addr = _cpu_address(p)
-    if src_addr is not None and seg.nbytes <= _STEP:  # the common small case, in one step
-        ctypes.memmove(buf_addr + dst, src_addr + seg.start, seg.nbytes)
-        hashers.update(p.tag, buf_view[dst : dst + seg.nbytes])
-        return
     if p.tensor is None and src_addr is None:
         raise ValueError(f"piece at offset {p.offset} has neither data, tensor nor address")
     done = 0

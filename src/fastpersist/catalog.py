@@ -23,14 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastpersist.commit import TEMP_MARKER, discard, temp_path_for
-from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
+from fastpersist.io.files import read_small_file
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_STEP_DIR = re.compile(r"step-([0-9]{8,20})", re.ASCII)  # always fullmatch: no trailing newline
+MAX_LATEST_BYTES = 4096  # `latest` holds one directory name
 TEMP_SUFFIX = TEMP_MARKER  # in the name of every temporary file fastpersist writes
 
 
@@ -41,7 +43,7 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_DIR.match(name)
+    m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -70,28 +72,33 @@ def scan(root: str) -> list[Entry]:
 
 
 def read_manifest(step_path: str) -> mf.Manifest:
+    """The parsed manifest of the checkpoint in ``step_path`` (its directory in the first root).
+
+    The manifest must be a regular file, not a link, at most ``MAX_MANIFEST_BYTES``; it is
+    checked against its own checksum and parsed strictly (:func:`manifest.parse`).
+    """
     path = os.path.join(step_path, mf.MANIFEST_NAME)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError as e:
+        raw = read_small_file(path, mf.MAX_MANIFEST_BYTES, "manifest")
+    except CheckpointNotFoundError as e:
         if os.path.isdir(step_path):
             raise CheckpointNotFoundError(
                 f"{step_path} holds no committed checkpoint (no {mf.MANIFEST_NAME}: the save did not "
                 "finish, or this is not a fastpersist checkpoint directory)"
             ) from e
         raise CheckpointNotFoundError(f"no checkpoint at {step_path}: the directory does not exist") from e
-    except OSError as e:
-        raise CheckpointReadError(f"cannot read {path}: {e.strerror or e}") from e
     return mf.parse(path, raw)
 
 
 def read_latest(root: str) -> int | None:
     """The step ``latest`` names, if it names a committed checkpoint; else the highest one."""
+    path = os.path.join(root, LATEST)
     try:
-        with open(os.path.join(root, LATEST), encoding="utf-8") as f:
-            step = parse_step_dir(f.read().strip())
-    except (OSError, UnicodeDecodeError):
+        step = parse_step_dir(read_small_file(path, MAX_LATEST_BYTES, "latest pointer").decode("ascii").strip())
+    except CheckpointNotFoundError:
+        step = None
+    except (CheckpointError, UnicodeDecodeError) as e:  # damaged: fall back, but say so
+        logger.warning("fastpersist: ignoring %s: %s", path, e)
         step = None
     if step is not None and os.path.isfile(os.path.join(root, step_dir(step), mf.MANIFEST_NAME)):
         return step

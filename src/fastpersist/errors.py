@@ -41,3 +41,14 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsupportedFormatError(CheckpointReadError):
     """The checkpoint was written in a newer format version than this fastpersist reads."""
+
+
+class UnsafeFileError(CorruptCheckpointError):
+    """A file of a checkpoint is not a plain regular file: a symbolic link inside a checkpoint
+    directory, a FIFO, a device, a socket or a directory. fastpersist never reads through one."""
+
+
+class UnverifiedCheckpointError(CheckpointReadError):
+    """Verification was asked for, but the checkpoint carries no checksums to verify against
+    (its checksum record is missing and its zip headers hold no CRC-32s). Load it with
+    ``verify=False`` only if you accept unverified bytes."""

@@ -31,18 +31,21 @@ import xxhash
 
 from fastpersist.config import IOConfig
 from fastpersist.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
     CheckpointReadError,
     CheckpointWriteError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     UnsaveableObjectError,
+    UnverifiedCheckpointError,
 )
 from fastpersist.format import manifest as mf
-from fastpersist.format import skeleton, torchzip
+from fastpersist.format import references, skeleton, torchzip
 from fastpersist.io.backend import FileBackend
-from fastpersist.io.buffers import ALIGN, BufferPool, align_up, aligned_empty, memory_view, shared_pool
-from fastpersist.io.files import DirectFile, preallocate
-from fastpersist.io.reader import ReadRequest, read_into
+from fastpersist.io.buffers import ALIGN, BufferPool, align_up, memory_view, shared_pool
+from fastpersist.io.files import DirectFile, file_size, preallocate, read_exact
+from fastpersist.io.reader import ReadRequest, allocate, read_into
 from fastpersist.io.writer import Piece, write_pieces
 from fastpersist.plan import Extent
 
@@ -223,21 +226,79 @@ def _file_path(dirs: Sequence[str], manifest: mf.Manifest, index: int) -> str:
     return os.path.join(dirs[f.root], f.name)
 
 
-def _read_skeleton(dirs: Sequence[str], manifest: mf.Manifest, name: str, verify: bool) -> dict[str, bytes]:
-    entry = manifest.objects[name].skeleton
-    path = _file_path(dirs, manifest, entry.file)
+def _manifest_path(dirs: Sequence[str]) -> str:
+    return os.path.join(dirs[0], mf.MANIFEST_NAME)
+
+
+# ---- the checks load and verify share -------------------------------------------------------
+# Each raises a CheckpointError naming the file; read_object stops at the first, verify reports
+# every one and goes on. Symbolic links: a checkpoint's files are opened with O_NOFOLLOW (their
+# names are plain names, so no component inside a checkpoint directory can be a link) and must
+# be regular files; the directories the caller names (roots, the checkpoint's directory) are
+# the caller's and may be links.
+
+
+def check_unverified(dirs: Sequence[str], manifest: mf.Manifest) -> None:
+    """A version-1 manifest has no checksum of its own: under verification it is refused."""
+    if manifest.version < 2:
+        raise UnverifiedCheckpointError(
+            f"{_manifest_path(dirs)} is format version {manifest.version}, whose manifest carries no checksum of "
+            "its own, so its content cannot be verified; load it with verify=False, or load and save it again"
+        )
+
+
+def open_file(dirs: Sequence[str], manifest: mf.Manifest, index: int, direct: str) -> DirectFile:
+    """Open file ``index`` of the checkpoint: a regular file, not a link, at least its listed size."""
+    path = _file_path(dirs, manifest, index)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{path}: the skeleton file of object {name!r} is missing") from e
-    except OSError as e:
-        raise CheckpointReadError(f"cannot read {path}: {e.strerror or e}") from e
-    if len(raw) != entry.nbytes:
-        raise CorruptCheckpointError(f"{path}: the skeleton file is {len(raw)} bytes, the manifest says {entry.nbytes}")
-    if verify and xxhash.xxh3_64_intdigest(raw) != entry.checksum:
+        file = DirectFile.open_for_read(path, direct)
+    except CheckpointNotFoundError as e:
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint lists it, the directory lacks it") from e
+    have, want = file_size(file.fd), manifest.files[index].size
+    if have < want:
+        file.close()
+        raise CorruptCheckpointError(f"{path} is truncated: {have} bytes, the manifest says {want}")
+    return file
+
+
+def read_skeleton(path: str, file: DirectFile, manifest: mf.Manifest, name: str, verify: bool) -> dict[str, bytes]:
+    """The skeleton records of object ``name``, bounded, checksummed, strictly decoded, and bound
+    to the object's storages (every reference names a listed storage of exactly its size)."""
+    entry = manifest.objects[name]
+    size = entry.skeleton.nbytes
+    if size > skeleton.MAX_SKELETON_BYTES:
+        raise CorruptCheckpointError(f"{path}: the skeleton of object {name!r} is listed as {size} bytes, more "
+                                     f"than a skeleton may be ({skeleton.MAX_SKELETON_BYTES})")
+    if file_size(file.fd) != size:
+        raise CorruptCheckpointError(f"{path}: the skeleton file is {file_size(file.fd)} bytes, the manifest "
+                                     f"says {size}")
+    raw = read_exact(file.fd, path, entry.skeleton.offset, size)
+    if verify and xxhash.xxh3_64_intdigest(raw) != entry.skeleton.checksum:
         raise ChecksumMismatchError(f"{path}: the skeleton of object {name!r} fails its checksum; the file is corrupt")
-    return skeleton.decode(path, raw)
+    small = skeleton.decode(path, raw)
+    problems = references.binding_problems(small["data.pkl"], {s.key: s.nbytes for s in entry.storages})
+    if problems:
+        raise CorruptCheckpointError(f"{path}: object {name!r}: {problems[0]}"
+                                     + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return small
+
+
+def extent_problem(dirs: Sequence[str], manifest: mf.Manifest, name: str, s: mf.StorageEntry,
+                   e: mf.ExtentEntry, got: int) -> str | None:
+    """What is wrong with one extent whose bytes hash to ``got`` (None if nothing)."""
+    if got == e.checksum:
+        return None
+    return (f"{_file_path(dirs, manifest, e.file)}: object {name!r} storage {s.key!r} bytes "
+            f"{e.start}..{e.start + e.nbytes} (file offset {e.offset}) fail their checksum "
+            f"(stored {e.checksum:016x}, read {got:016x})")
+
+
+def _needed_files(manifest: mf.Manifest, names: Sequence[str]) -> list[int]:
+    return sorted({e.file for n in names for s in manifest.objects[n].storages for e in s.extents}
+                  | {manifest.objects[n].skeleton.file for n in names})
+
+
+# ---- load ------------------------------------------------------------------------------------
 
 
 # Packed extents closer than this in a file are read with one request (the gap is read too).
@@ -297,51 +358,48 @@ def _read_plan(entry: mf.ObjectEntry) -> tuple[list[int], int, dict[int, list[tu
 
 def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_location: Any,
                 weights_only: bool, verify: bool, config: IOConfig) -> Any:
-    """Read, verify and rebuild object ``name`` of a checkpoint whose directories are ``dirs``."""
+    """Read, verify and rebuild object ``name`` of a checkpoint whose directories are ``dirs``.
+
+    Every file is opened (regular, not a link, at least its listed size) and the skeleton is
+    checked against the storages before the read buffer is allocated, so a damaged manifest
+    cannot make load allocate more than the files hold.
+    """
     if name not in manifest.objects:
         raise CheckpointReadError(f"the checkpoint of step {manifest.step} holds no object {name!r}")
+    if verify:
+        check_unverified(dirs, manifest)
     entry = manifest.objects[name]
-    small = _read_skeleton(dirs, manifest, name, verify)
-    bases, size, reads = _read_plan(entry)
-    buf = aligned_empty(size, pin=False)
-    addr = buf.data_ptr()
-    by_file = {f: [ReadRequest(off, n, addr + at, cap, fresh=True) for off, n, at, cap in rs]
-               for f, rs in reads.items()}
-    _read_files(dirs, manifest, by_file, config)
+    files: dict[int, DirectFile] = {}
+    try:
+        for index in _needed_files(manifest, [name]):
+            files[index] = open_file(dirs, manifest, index, config.direct)
+        sk = entry.skeleton.file
+        small = read_skeleton(_file_path(dirs, manifest, sk), files[sk], manifest, name, verify)
+        bases, size, reads = _read_plan(entry)
+        buf = allocate(_manifest_path(dirs), size)
+        addr = buf.data_ptr()
+        by_file = {f: [ReadRequest(off, n, addr + at, cap, fresh=True) for off, n, at, cap in rs]
+                   for f, rs in reads.items()}
+        _read_files(files, by_file, config)
+    finally:
+        for file in files.values():
+            file.close()
     if verify:
         _verify(dirs, manifest, name, entry, bases, addr, config.reader_threads)
     shift = buf.storage_offset()  # the buffer is an aligned view into a larger allocation
     offsets = {f"data/{s.key}": base + shift for s, base in zip(entry.storages, bases)}
-    where = os.path.join(dirs[0], mf.MANIFEST_NAME)
-    return skeleton.rebuild(where, skeleton.ArchiveView(small, offsets), buf.untyped_storage(),
+    return skeleton.rebuild(_manifest_path(dirs), skeleton.ArchiveView(small, offsets), buf.untyped_storage(),
                             map_location, weights_only)
 
 
-def _read_files(dirs: Sequence[str], manifest: mf.Manifest, by_file: dict[int, list[ReadRequest]],
-                config: IOConfig) -> None:
-    def one(index: int) -> None:
-        path = _file_path(dirs, manifest, index)
-        try:
-            file = DirectFile(path, os.O_RDONLY, config.direct)
-        except FileNotFoundError as e:
-            raise CorruptCheckpointError(f"{path}: a data file of the checkpoint is missing") from e
-        except OSError as e:
-            raise CheckpointReadError(f"cannot open {path}: {e.strerror or e}") from e
-        try:
-            have, want = os.fstat(file.fd).st_size, manifest.files[index].size
-            if have < want:
-                raise CorruptCheckpointError(f"{path} is truncated: {have} bytes, the manifest says {want}")
-            read_into(file, by_file[index], config)
-        finally:
-            file.close()
-
-    files = sorted(by_file)
-    if len(files) <= 1:
-        for f in files:
-            one(f)
+def _read_files(files: dict[int, DirectFile], by_file: dict[int, list[ReadRequest]], config: IOConfig) -> None:
+    order = sorted(by_file)
+    if len(order) <= 1:
+        for f in order:
+            read_into(files[f], by_file[f], config)
         return
-    with ThreadPoolExecutor(max_workers=min(len(files), _FILES_AT_ONCE), thread_name_prefix="fastpersist-files") as ex:
-        for fut in [ex.submit(one, f) for f in files]:
+    with ThreadPoolExecutor(max_workers=min(len(order), _FILES_AT_ONCE), thread_name_prefix="fastpersist-files") as ex:
+        for fut in [ex.submit(read_into, files[f], by_file[f], config) for f in order]:
             fut.result()
 
 
@@ -354,12 +412,11 @@ def _verify(dirs: Sequence[str], manifest: mf.Manifest, name: str, entry: mf.Obj
 
     def check(item: tuple[mf.StorageEntry, mf.ExtentEntry, int]) -> None:
         s, e, base = item
-        got = xxhash.xxh3_64_intdigest(memory_view(addr + base + e.start, e.nbytes))
-        if got != e.checksum:
-            path = _file_path(dirs, manifest, e.file)
+        problem = extent_problem(dirs, manifest, name, s, e,
+                                 xxhash.xxh3_64_intdigest(memory_view(addr + base + e.start, e.nbytes)))
+        if problem:
             with lock:
-                bad.append(f"{path}: object {name!r} storage {s.key!r} bytes {e.start}..{e.start + e.nbytes} "
-                           f"(file offset {e.offset}) fail their checksum (stored {e.checksum:016x}, read {got:016x})")
+                bad.append(problem)
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastpersist-verify") as ex:
         list(ex.map(check, work))
@@ -388,47 +445,87 @@ class Problem:
 
 
 def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20) -> tuple[list[Problem], int]:
-    """Read every byte the manifest lists and check every checksum; never stops at the first
-    problem. Returns the problems and the number of bytes verified."""
+    """Run every check :func:`read_object` runs, on every object, and read every byte the
+    manifest lists; never stops at the first problem and never raises. Returns the problems
+    and the number of bytes verified.
+
+    The checks are load's own (the functions above); what load would build, verify builds on
+    the meta device with the weights-only unpickler, so a skeleton that load refuses by default
+    is a problem here too. Data is hashed in ``chunk`` pieces, so memory stays bounded.
+    """
     problems: list[Problem] = []
-    sizes: dict[int, int] = {}
-    for i in sorted({e.file for o in manifest.objects.values() for s in o.storages for e in s.extents}
-                    | {o.skeleton.file for o in manifest.objects.values()}):
-        try:
-            path = _file_path(dirs, manifest, i)
-        except CheckpointReadError as e:
-            problems.append(Problem(manifest.files[i].name, "file", None, str(e)))
-            continue
-        try:
-            sizes[i] = os.stat(path).st_size
-        except FileNotFoundError:
-            problems.append(Problem(path, "file", None, "missing"))
-            continue
-        if sizes[i] < manifest.files[i].size:
-            problems.append(Problem(path, "file", None, f"truncated: {sizes[i]} bytes, the manifest says "
-                                                        f"{manifest.files[i].size}"))
-    checked = 0
-    buf = bytearray(chunk)
-    for name, obj in sorted(manifest.objects.items()):
-        spans = [(f"object {name!r} skeleton", obj.skeleton)]
-        spans += [(f"object {name!r} storage {s.key!r} bytes {e.start}..{e.start + e.nbytes}", e)
-                  for s in obj.storages for e in s.extents]
-        for what, e in spans:
-            if e.file not in sizes:
+    where = _manifest_path(dirs)
+    _collect(problems, where, "manifest", lambda: check_unverified(dirs, manifest))
+    files: dict[int, DirectFile] = {}
+    try:
+        for i in _needed_files(manifest, list(manifest.objects)):
+            path = _collect(problems, manifest.files[i].name, "file", lambda i=i: _file_path(dirs, manifest, i))
+            file = path and _collect(problems, path, "file", lambda i=i: open_file(dirs, manifest, i, "off"))
+            if file is not None:
+                files[i] = file
+        checked = 0
+        for name, obj in sorted(manifest.objects.items()):
+            checked += _verify_object(problems, dirs, manifest, name, obj, files, chunk)
+    finally:
+        for file in files.values():
+            file.close()
+    return problems, checked
+
+
+def _collect(problems: list[Problem], path: str, what: str, step: Any) -> Any:
+    """Run one check; a CheckpointError (or an OS error) becomes a Problem."""
+    try:
+        return step()
+    except CheckpointError as e:
+        problems.append(Problem(path, what, None, _without_path(str(e), path)))
+    except OSError as e:
+        problems.append(Problem(path, what, None, f"{e.strerror or e}"))
+    return None
+
+
+def _without_path(message: str, path: str) -> str:
+    """``"<path> is truncated: ..."`` -> ``"truncated: ..."`` (the Problem names the path)."""
+    if not message.startswith(path):
+        return message
+    rest = message[len(path):].lstrip(":").strip()
+    return rest[3:] if rest.startswith("is ") else rest
+
+
+def _verify_object(problems: list[Problem], dirs: Sequence[str], manifest: mf.Manifest, name: str,
+                   obj: mf.ObjectEntry, files: dict[int, DirectFile], chunk: int) -> int:
+    sk = obj.skeleton.file
+    if sk in files:
+        path = _file_path(dirs, manifest, sk)
+
+        def skeleton_check() -> None:
+            small = read_skeleton(path, files[sk], manifest, name, True)
+            offsets = {f"data/{s.key}": 0 for s in obj.storages}
+            skeleton.rebuild(path, skeleton.ArchiveView(small, offsets), None, "meta", True)
+
+        _collect(problems, path, f"object {name!r} skeleton", skeleton_check)
+    checked = obj.skeleton.nbytes
+    for s in obj.storages:
+        for e in s.extents:
+            if e.file not in files:
                 continue  # the file's problem is already reported
             path = _file_path(dirs, manifest, e.file)
-            if e.offset + e.nbytes > sizes[e.file]:
-                problems.append(Problem(path, what, e.offset, "lies beyond the end of the file"))
+            what = f"object {name!r} storage {s.key!r} bytes {e.start}..{e.start + e.nbytes}"
+            got = _collect(problems, path, what, lambda e=e, path=path: _hash_range(files[e.file], path, e, chunk))
+            if got is None:
                 continue
-            h = xxhash.xxh3_64()
-            with open(path, "rb", buffering=0) as f:
-                done = 0
-                while done < e.nbytes:
-                    n = os.preadv(f.fileno(), [memoryview(buf)[: min(chunk, e.nbytes - done)]], e.offset + done)
-                    h.update(memoryview(buf)[:n])
-                    done += n
             checked += e.nbytes
-            if h.intdigest() != e.checksum:
+            problem = extent_problem(dirs, manifest, name, s, e, got)
+            if problem:
                 problems.append(Problem(path, what, e.offset, f"checksum mismatch (stored {e.checksum:016x}, "
-                                                              f"read {h.intdigest():016x})"))
-    return problems, checked
+                                                              f"read {got:016x})"))
+    return checked
+
+
+def _hash_range(file: DirectFile, path: str, e: mf.ExtentEntry, chunk: int) -> int:
+    h = xxhash.xxh3_64()
+    done = 0
+    while done < e.nbytes:
+        n = min(chunk, e.nbytes - done)
+        h.update(read_exact(file.fd, path, e.offset + done, n))
+        done += n
+    return h.intdigest()

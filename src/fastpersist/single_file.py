@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import xxhash
+
 
 from fastpersist.commit import check_directory, discard, publish, temp_path_for
 from fastpersist.config import IOConfig, get_config
@@ -27,12 +27,12 @@ from fastpersist.errors import (
     CheckpointNotFoundError,
     CheckpointReadError,
     CheckpointWriteError,
-    ChecksumMismatchError,
+    CorruptCheckpointError,
 )
-from fastpersist.format import skeleton, torchzip
-from fastpersist.io.buffers import aligned_empty, align_down, align_up, memory_view, shared_pool
-from fastpersist.io.files import DirectFile, pread_into, preallocate, pwrite_all
-from fastpersist.io.reader import ReadRequest, read_into
+from fastpersist.format import integrity, references, skeleton, torchzip
+from fastpersist.io.buffers import align_down, align_up, memory_view, shared_pool
+from fastpersist.io.files import DirectFile, file_size, preallocate, pwrite_all, read_exact
+from fastpersist.io.reader import ReadRequest, allocate, read_into
 from fastpersist.io.writer import Piece, write_pieces
 
 logger = logging.getLogger(__name__)
@@ -89,47 +89,59 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None
 
 
 def _open_for_read(path: str, cfg: IOConfig) -> DirectFile:
+    """The file the caller named (a link the caller named is followed; it must end at a regular
+    file: a FIFO, device or directory is refused without blocking)."""
     try:
-        return DirectFile(path, os.O_RDONLY, cfg.direct)
-    except FileNotFoundError as e:
+        return DirectFile.open_for_read(path, cfg.direct, follow=True)
+    except CheckpointNotFoundError as e:
         raise CheckpointNotFoundError(f"no checkpoint at {path}: the file does not exist") from e
-    except IsADirectoryError as e:
-        raise CheckpointReadError(f"{path} is a directory, not a checkpoint file") from e
-    except OSError as e:
-        raise CheckpointReadError(f"cannot open {path}: {e.strerror or e}") from e
 
 
-def _read_small(file: DirectFile, records: dict[str, torchzip.Record]) -> dict[str, bytes]:
+def _limit(name: str) -> int:
+    if name == "data.pkl":
+        return skeleton.MAX_SKELETON_BYTES
+    if name == torchzip.CHECKSUM_RECORD:
+        return torchzip.MAX_CHECKSUM_RECORD_BYTES
+    return torchzip.MAX_SMALL_RECORD_BYTES
+
+
+def _read_small(path: str, fd: int, records: dict[str, torchzip.Record]) -> dict[str, bytes]:
+    """Every record that is not a storage, each bounded by its documented limit."""
     small = {}
     for r in records.values():
-        if not r.name.startswith("data/"):
-            buf = bytearray(r.nbytes)
-            pread_into(file.fd, memoryview(buf), r.offset)
-            small[r.name] = bytes(buf)
+        if r.name.startswith("data/"):
+            continue
+        if r.nbytes > _limit(r.name):
+            raise CorruptCheckpointError(f"{path}: record {r.name!r} is {r.nbytes} bytes, more than such a "
+                                         f"record may be ({_limit(r.name)}); the file is damaged")
+        small[r.name] = read_exact(fd, path, r.offset, r.nbytes)
     return small
 
 
-def _verify(path: str, records: dict[str, torchzip.Record], small: dict[str, bytes],
-            region: torch.Tensor, base: int, expected: dict[str, int], threads: int) -> None:
-    def digest(name: str) -> int:
-        if name in small:
-            return xxhash.xxh3_64_intdigest(small[name])
-        r = records[name]
-        return xxhash.xxh3_64_intdigest(memory_view(region.data_ptr() + r.offset - base, r.nbytes))
+def _read_storages(path: str, file: DirectFile, records: dict[str, torchzip.Record],
+                   cfg: IOConfig) -> tuple[torch.Tensor, int]:
+    """One aligned buffer holding the file's bytes from the first storage to the last, and the
+    file offset its first byte stands for."""
+    data = [r for r in records.values() if r.name.startswith("data/")]
+    base = align_down(min((r.offset for r in data), default=0))
+    end = max((r.offset + r.nbytes for r in data), default=base)
+    region = allocate(path, align_up(end - base))
+    read_into(file, [ReadRequest(base, end - base, region.data_ptr(), region.numel(), fresh=True)], cfg)
+    return region, base
 
-    missing = [n for n in expected if n not in records]
-    if missing:
-        raise ChecksumMismatchError(f"{path}: records {missing} are listed in its checksums but missing")
-    names = sorted(expected, key=lambda n: -records[n].nbytes)
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastpersist-verify") as ex:
-        got = dict(zip(names, ex.map(digest, names)))
-    for n in sorted(expected):
-        if got[n] != expected[n]:
-            r = records[n]
-            raise ChecksumMismatchError(
-                f"{path}: record {n!r} ({r.nbytes} bytes at offset {r.offset}) fails its checksum "
-                f"(stored {expected[n]:016x}, read {got[n]:016x}); the file is corrupt"
-            )
+
+def _read(path: str, cfg: IOConfig) -> tuple[dict[str, torchzip.Record], dict[str, bytes], torch.Tensor, int]:
+    file = _open_for_read(path, cfg)
+    try:
+        fd = file.fd
+        records = torchzip.read_directory(path, lambda off, n: read_exact(fd, path, off, n), file_size(fd))
+        small = _read_small(path, fd, records)
+        region, base = _read_storages(path, file, records, cfg)
+    except OSError as e:
+        raise CheckpointReadError(f"reading {path} failed: {e.strerror or e}") from e
+    finally:
+        file.close()
+    return records, small, region, base
 
 
 def load(
@@ -145,28 +157,34 @@ def load(
     ``map_location`` works as in ``torch.load``. ``weights_only=True`` (the default) uses torch's
     restricted unpickler, which refuses to run arbitrary code; pass ``False`` only for files you
     trust. ``verify`` (default: the configuration's, on) checks every record against the
-    checksums fastpersist stored; files written by plain torch.save carry none and are read
-    unverified.
+    checksums fastpersist stored, or, in a file written by plain ``torch.save``, against the
+    CRC-32s of its zip directory; a file that carries neither raises
+    :class:`UnverifiedCheckpointError` unless ``verify=False``.
+
+    Every failure is a :class:`CheckpointError` naming the file and the cause.
     """
     cfg = config or get_config()
     path = os.fspath(path)
     do_verify = cfg.verify if verify is None else verify
-    file = _open_for_read(path, cfg)
-    try:
-        size = os.fstat(file.fd).st_size
-        records = torchzip.read_directory(path, file.fd, size)
-        small = _read_small(file, records)
-        data = [r for r in records.values() if r.name.startswith("data/")]
-        base = align_down(min((r.offset for r in data), default=0))
-        end = max((r.offset + r.nbytes for r in data), default=base)
-        region = aligned_empty(align_up(end - base), pin=False)
-        read_into(file, [ReadRequest(base, end - base, region.data_ptr(), region.numel(), fresh=True)], cfg)
-    finally:
-        file.close()
-    if do_verify and torchzip.CHECKSUM_RECORD in small:
-        expected = torchzip.parse_checksums(path, small[torchzip.CHECKSUM_RECORD])
-        _verify(path, records, small, region, base, expected, cfg.reader_threads)
+    records, small, region, base = _read(path, cfg)
+    if do_verify:
+        integrity.check(path, records, small, _record_bytes(records, small, region, base), cfg.reader_threads)
+    sizes = {n[len("data/"):]: r.nbytes for n, r in records.items() if n.startswith("data/")}
+    problems = references.binding_problems(small["data.pkl"], sizes)
+    if problems:
+        raise CorruptCheckpointError(f"{path}: {problems[0]}; the file is damaged")
     shift = base - region.storage_offset()  # file offset -> offset in the region's storage
     offsets = {n: r.offset - shift for n, r in records.items() if n.startswith("data/")}
     archive = skeleton.ArchiveView(small, offsets)
     return skeleton.rebuild(path, archive, region.untyped_storage(), map_location, weights_only)
+
+
+def _record_bytes(records: dict[str, torchzip.Record], small: dict[str, bytes], region: torch.Tensor,
+                  base: int) -> Callable[[str], memoryview | bytes]:
+    def get(name: str) -> memoryview | bytes:
+        if name in small:
+            return small[name]
+        r = records[name]
+        return memory_view(region.data_ptr() + r.offset - base, r.nbytes)
+
+    return get

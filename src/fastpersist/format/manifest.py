@@ -15,17 +15,28 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastpersist.errors import CorruptCheckpointError, UnsupportedFormatError
+import xxhash
+
+from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedFormatError
+from fastpersist.format import jsondoc
 
 FORMAT_NAME = "fastpersist-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries a checksum of its own content (version 1 did not)
 HASH_NAME = "xxh3-64"
 MANIFEST_NAME = "manifest.json"
 REPLICATED = "replicated"
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is refused before it is read
 
-# A data file name: no directory part, no "..", not hidden. Checked on write and on read.
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-_OBJECT_NAME = re.compile(r"^(replicated|rank-\d{5})$")
+# A data file name: no directory part, no "..", not hidden, ASCII only. Checked on write and on
+# read, always with fullmatch (``$`` would accept a trailing newline, ``\d`` non-ASCII digits).
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}", re.ASCII)
+_OBJECT_NAME = re.compile(r"replicated|rank-[0-9]{5}", re.ASCII)
+_CHECKSUM = re.compile(r"[0-9a-f]{16}", re.ASCII)
+# The manifest's own checksum: the last field of the document, over every byte before it (with
+# the document closed where the field starts). See docs/FORMAT.md.
+_SELF_FIELD = "manifest_checksum"
+_SELF_TAIL = re.compile(rb',"manifest_checksum":"([0-9a-f]{16})"\}\Z')
+_MAX_CREATED = 1 << 40  # seconds since 1970: year 36812
 
 
 def rank_object(rank: int) -> str:
@@ -34,7 +45,28 @@ def rank_object(rank: int) -> str:
 
 
 def valid_file_name(name: str) -> bool:
-    return bool(_FILE_NAME.match(name)) and ".." not in name
+    return bool(_FILE_NAME.fullmatch(name)) and ".." not in name
+
+
+def seal(body: bytes) -> bytes:
+    """The manifest with its own checksum appended as its last field (``body`` is a compact JSON
+    object)."""
+    return body[:-1] + b',"%s":"%016x"}' % (_SELF_FIELD.encode(), xxhash.xxh3_64_intdigest(body))
+
+
+def _check_seal(path: str, raw: bytes, doc: dict[str, Any], version: int) -> None:
+    """The manifest's own checksum must match (required from version 2)."""
+    m = _SELF_TAIL.search(raw)
+    if m is None:
+        if version >= 2 or _SELF_FIELD in doc:
+            raise CorruptCheckpointError(f"{path}: the manifest's own checksum ({_SELF_FIELD!r}, its last "
+                                         "field) is missing or damaged; the manifest is damaged or was edited")
+        return
+    body = raw[: m.start()] + b"}"
+    got = xxhash.xxh3_64_intdigest(body)
+    if got != int(m.group(1), 16) or doc.get(_SELF_FIELD) != m.group(1).decode():
+        raise ChecksumMismatchError(f"{path}: the manifest fails its own checksum (stored {m.group(1).decode()}, "
+                                    f"computed {got:016x}); the manifest is damaged or was edited")
 
 
 @dataclass(frozen=True)
@@ -111,7 +143,8 @@ class Manifest:
             },
             "user": self.user,
         }
-        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        return seal(body) if self.version >= 2 else body
 
 
 def _extent_doc(e: ExtentEntry) -> dict[str, Any]:
@@ -145,7 +178,7 @@ class _Reader:
 
     def checksum(self, d: Any, where: str) -> int:
         v = self.get(d, "checksum", str, where)
-        if not re.fullmatch(r"[0-9a-f]{16}", v):
+        if not _CHECKSUM.fullmatch(v):
             raise self.fail(where, f"checksum {v!r} is not 16 hex digits")
         return int(v, 16)
 
@@ -153,13 +186,15 @@ class _Reader:
 def parse(path: str, raw: bytes) -> Manifest:
     """Read and validate a manifest; ``path`` is only used in messages."""
     rd = _Reader(path)
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path} is not a fastpersist manifest: not valid JSON ({e})") from e
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{path} is {len(raw)} bytes, more than a manifest may be "
+                                     f"({MAX_MANIFEST_BYTES})")
+    doc = jsondoc.loads(path, raw, "manifest")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{path} is not a fastpersist manifest (no format {FORMAT_NAME!r})")
     version = rd.get(doc, "version", int, "header")
+    if version < 1:
+        raise rd.fail("header", f"version {version} does not exist")
     if version > FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"{path} was written in {FORMAT_NAME} format version {version}; this fastpersist reads "
@@ -183,10 +218,13 @@ def parse(path: str, raw: bytes) -> Manifest:
     if not isinstance(user, dict):
         raise rd.fail("header", "field 'user' must be an object")
     created = doc.get("created", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < _MAX_CREATED:
+        raise rd.fail("header", f"field 'created' must be a time in seconds since 1970, got {created!r}")
+    _check_seal(path, raw, doc, version)  # last: a damaged field is named by the checks above first
     return Manifest(
         step=rd.count(doc, "step", "header"),
         save_id=rd.get(doc, "save_id", str, "header"),
-        created=float(created) if isinstance(created, (int, float)) else 0.0,
+        created=float(created),
         world_size=rd.count(doc, "world_size", "header"),
         roots=roots,
         files=files,
@@ -220,7 +258,7 @@ def _parse_extent(rd: _Reader, d: Any, where: str, files: tuple[FileEntry, ...])
 
 
 def _parse_object(rd: _Reader, name: str, d: Any, files: tuple[FileEntry, ...]) -> ObjectEntry:
-    if not _OBJECT_NAME.match(name):
+    if not _OBJECT_NAME.fullmatch(name):
         raise rd.fail(f"object {name!r}", "unknown object name")
     skeleton = _parse_extent(rd, rd.get(d, "skeleton", dict, f"object {name!r}"), f"object {name!r} skeleton", files)
     storages = []
@@ -230,6 +268,9 @@ def _parse_object(rd: _Reader, name: str, d: Any, files: tuple[FileEntry, ...]) 
         where = f"object {name!r} storage {key!r}"
         if key in keys:
             raise rd.fail(where, "listed twice")
+        if key != str(i):  # the writer lists storages in pickler order, keyed 0, 1, ...
+            raise rd.fail(where, f"listed at position {i}: storage keys must be 0, 1, ... in order (swapped "
+                                 "or renamed keys would bind a tensor to another tensor's bytes)")
         keys.add(key)
         nbytes = rd.count(s, "nbytes", where)
         extents = tuple(_parse_extent(rd, e, f"{where} extent #{j}", files)

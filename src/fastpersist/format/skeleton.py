@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from fastpersist.errors import CheckpointReadError, CorruptCheckpointError
+from fastpersist.format import zipdir
 
 _DATE = (2020, 1, 1, 0, 0, 0)  # fixed, so the same state gives the same bytes
+MAX_SKELETON_BYTES = 256 << 20  # a skeleton (or data.pkl) larger than this is refused before it is read
 
 
 def serialize(obj: object, protocol: int = 2) -> tuple[dict[str, bytes], list[str], list[torch.UntypedStorage]]:
@@ -93,11 +95,10 @@ def encode(records: dict[str, bytes]) -> bytes:
 
 
 def decode(path: str, raw: bytes) -> dict[str, bytes]:
-    try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as z:
-            records = {info.filename: z.read(info) for info in z.infolist()}
-    except (zipfile.BadZipFile, ValueError, EOFError, KeyError) as e:
-        raise CorruptCheckpointError(f"{path} is not a readable skeleton file ({e})") from e
+    """The records of a skeleton file, read with the strict zip reader (stored records only,
+    no overlaps; nothing is inflated)."""
+    found = zipdir.read_directory(path, zipdir.bytes_reader(path, raw), len(raw))
+    records = {r.name: raw[r.offset : r.offset + r.nbytes] for r in found}
     if "data.pkl" not in records:
         raise CorruptCheckpointError(f"{path} is not a skeleton file: it has no data.pkl record")
     return records
@@ -136,9 +137,15 @@ class ArchiveView:
         return [*self._small, *self._offsets]
 
 
-def rebuild(path: str, archive: ArchiveView, storage: torch.UntypedStorage,
+def rebuild(path: str, archive: ArchiveView, storage: torch.UntypedStorage | None,
             map_location: Any, weights_only: bool) -> Any:
-    """Unpickle the skeleton with storages sliced out of ``storage`` (no copy)."""
+    """Unpickle the skeleton with storages sliced out of ``storage`` (no copy).
+
+    With ``storage=None`` and ``map_location="meta"`` nothing is read: every tensor is built on
+    the meta device, which is how ``verify`` runs the very unpickling ``load`` runs. Whatever
+    goes wrong inside torch's loader (a damaged pickle or small record) is a
+    :class:`CheckpointReadError` naming ``path``.
+    """
     pickle_module: Any = torch._weights_only_unpickler if weights_only else pickle
     try:
         return torch.serialization._load(
@@ -153,3 +160,11 @@ def rebuild(path: str, archive: ArchiveView, storage: torch.UntypedStorage,
         raise CheckpointReadError(f"{path}: the object skeleton cannot be unpickled: {e}") from e
     except KeyError as e:
         raise CorruptCheckpointError(f"{path}: the skeleton refers to storage {e} that the checkpoint lacks") from e
+    except MemoryError:
+        raise
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"{path}: the object skeleton nests too deeply to rebuild") from e
+    except Exception as e:  # noqa: BLE001 - torch's loader raises anything on a damaged skeleton
+        raise CorruptCheckpointError(
+            f"{path}: the object skeleton is damaged: torch's loader failed with {type(e).__name__}: {str(e)[:200]}"
+        ) from e

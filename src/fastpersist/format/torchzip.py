@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import struct
-import zipfile
+import re
 from dataclasses import dataclass, field
 
 import torch
 import xxhash
 
 from fastpersist.errors import CorruptCheckpointError, UnsaveableObjectError, UnsupportedFormatError
+from fastpersist.format import jsondoc, zipdir
 
 STORAGE_ALIGNMENT = 4096
 CHECKSUM_RECORD = ".fastpersist"
@@ -32,6 +32,11 @@ FORMAT_NAME = "fastpersist-single-file"
 FORMAT_VERSION = 1
 HASH_NAME = "xxh3-64"
 _DIGEST_PLACEHOLDER = "0" * 16
+_DIGEST = re.compile(r"[0-9a-f]{16}", re.ASCII)
+MAX_CHECKSUM_RECORD_BYTES = 64 << 20
+MAX_SMALL_RECORD_BYTES = 1 << 20  # any other record that is not a storage or data.pkl
+# Records torch writes after ``.fastpersist``: not covered by it, and not needed to load.
+TRAILING_RECORDS = frozenset({"version", ".data/version", ".data/serialization_id"})
 
 
 @dataclass
@@ -189,67 +194,67 @@ class Record:
     name: str  # without the archive prefix, e.g. "data/0"
     offset: int  # of the record's bytes in the file
     nbytes: int
+    crc32: int = 0  # the zip directory's CRC-32 (0 in fastpersist files)
 
 
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
-_LOCAL_MAGIC = b"PK\x03\x04"
+def _fd_reader(path: str, fd: int) -> zipdir.ReadAt:
+    def read_at(offset: int, nbytes: int) -> bytes:
+        out = bytearray()
+        while len(out) < nbytes:
+            got = os.pread(fd, nbytes - len(out), offset + len(out))
+            if not got:  # a read that cannot advance is truncation, never retried
+                raise CorruptCheckpointError(f"{path} is truncated: {nbytes} bytes expected at offset {offset}")
+            out += got
+        return bytes(out)
+
+    return read_at
 
 
-def read_directory(path: str, fd: int, file_size: int) -> dict[str, Record]:
-    """The records of the archive at ``path``, with the offsets of their bytes.
+def read_directory(path: str, source: int | zipdir.ReadAt, file_size: int) -> dict[str, Record]:
+    """The records of the torch archive at ``path``, with the offsets of their bytes.
 
-    Raises :class:`CorruptCheckpointError` naming the file when it is not a zip archive, is
-    truncated, or has a record that does not fit in the file.
+    ``source`` is the open file's descriptor, or a ``read_at(offset, nbytes)`` function.
+
+    The directory is read strictly (:mod:`fastpersist.format.zipdir`): stored records only,
+    inside the file, none overlapping or repeated. Every name must sit under one top-level
+    folder, as torch writes them. Raises :class:`CorruptCheckpointError` naming the file.
     """
-    try:
-        with open(fd, "rb", closefd=False) as f, zipfile.ZipFile(f) as z:
-            infos = z.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise CorruptCheckpointError(
-            f"{path} is not a readable checkpoint: no valid zip directory ({e}); the file is "
-            "truncated, damaged, or was not written by fastpersist.save / torch.save"
-        ) from e
-    records: dict[str, Record] = {}
-    for info in infos:
-        name = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CorruptCheckpointError(f"{path}: record {name!r} is compressed; torch archives never are")
-        header = os.pread(fd, _LOCAL_HEADER.size, info.header_offset)
-        if len(header) < _LOCAL_HEADER.size or header[:4] != _LOCAL_MAGIC:
-            raise CorruptCheckpointError(
-                f"{path}: record {name!r} has no valid local header at offset {info.header_offset}"
-            )
-        fields = _LOCAL_HEADER.unpack(header)
-        offset = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-        if offset + info.file_size > file_size:
-            raise CorruptCheckpointError(
-                f"{path}: record {name!r} ({info.file_size} bytes at offset {offset}) runs past "
-                f"the end of the file ({file_size} bytes); the file is truncated"
-            )
-        records[name] = Record(name, offset, info.file_size)
+    read_at = _fd_reader(path, source) if isinstance(source, int) else source
+    found = zipdir.read_directory(path, read_at, file_size)
+    records = {r.name.split("/", 1)[-1]: Record(r.name.split("/", 1)[-1], r.offset, r.nbytes, r.crc32) for r in found}
     if "data.pkl" not in records:
         raise CorruptCheckpointError(
             f"{path} is a zip archive but not a torch checkpoint: it has no data.pkl record"
         )
+    prefixes = {r.name.split("/", 1)[0] for r in found}
+    if len(prefixes) > 1 or any("/" not in r.name for r in found) or len(records) != len(found):
+        raise CorruptCheckpointError(f"{path} is not a torch archive: its records are not all in one folder "
+                                     f"({sorted(prefixes)[:3]})")
     return records
 
 
 def parse_checksums(path: str, raw: bytes) -> dict[str, int]:
-    """The digests recorded in a ``.fastpersist`` record."""
-    try:
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise ValueError("not a fastpersist checksum record")
-        version = int(doc["version"])
-        if version > FORMAT_VERSION:
-            raise UnsupportedFormatError(
-                f"{path} was written in {FORMAT_NAME} format version {version}; this fastpersist "
-                f"reads versions up to {FORMAT_VERSION}: upgrade fastpersist to load it"
-            )
-        if doc["hash"] != HASH_NAME:
-            raise ValueError(f"unknown hash {doc['hash']!r}")
-        return {str(n): int(d, 16) for n, d in doc["records"].items()}
-    except UnsupportedFormatError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptCheckpointError(f"{path}: the {CHECKSUM_RECORD} record is damaged ({e})") from e
+    """The digests recorded in a ``.fastpersist`` record (strict: every field checked)."""
+    doc = jsondoc.loads(path, raw, f"{CHECKSUM_RECORD} record")
+
+    def damaged(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: the {CHECKSUM_RECORD} record is damaged ({what})")
+
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise damaged("not a fastpersist checksum record")
+    version = doc.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise damaged(f"version {str(version)[:40]} is not a version number")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{path} was written in {FORMAT_NAME} format version {version}; this fastpersist "
+            f"reads versions up to {FORMAT_VERSION}: upgrade fastpersist to load it"
+        )
+    if doc.get("hash") != HASH_NAME:
+        raise damaged(f"unknown hash {str(doc.get('hash'))[:40]!r}")
+    records = doc.get("records")
+    if not isinstance(records, dict) or not records:
+        raise damaged("it lists no records")
+    if not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in records.values()):
+        raise damaged("a digest is not 16 hex digits")
+    return {n: int(d, 16) for n, d in records.items()}

@@ -11,10 +11,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 
-from fastpersist.errors import CheckpointError
+from fastpersist.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    CorruptCheckpointError,
+    UnsafeFileError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,31 @@ class DirectFile:
         else:
             self._direct_ok = True
 
+    @classmethod
+    def open_for_read(cls, path: str, direct: str, *, follow: bool = False) -> DirectFile:
+        """A checkpoint file opened for reading through :func:`open_regular` (regular files only,
+        no link followed unless ``follow``), with an O_DIRECT descriptor of the same file where
+        the filesystem allows it."""
+        self = cls.__new__(cls)
+        self.path, self.on_write, self.direct_fd, self._direct_ok = path, None, -1, False
+        self.fd = open_regular(path, follow=follow)
+        if direct == "off" or not O_DIRECT:
+            return self
+        try:
+            dfd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
+        except OSError as e:
+            if direct == "on" and e.errno == errno.EINVAL:
+                self.close()
+                raise CheckpointReadError(f"{path}: the filesystem refuses O_DIRECT and direct='on'") from e
+            _log_fallback_once(path, f"open with O_DIRECT: {e.strerror or e}")
+            return self
+        a, b = os.fstat(self.fd), os.fstat(dfd)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # /proc not what it should be
+            os.close(dfd)
+            return self
+        self.direct_fd, self._direct_ok = dfd, True
+        return self
+
     @property
     def is_direct(self) -> bool:
         return self._direct_ok
@@ -94,6 +126,78 @@ class DirectFile:
             if fd >= 0:
                 setattr(self, name, -1)
                 os.close(fd)
+
+
+_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def open_regular(path: str, *, follow: bool = False) -> int:
+    """Open ``path`` for reading; the file must be a regular file. Returns a descriptor.
+
+    This is the only way fastpersist opens a checkpoint's files for reading. It never blocks
+    (``O_NONBLOCK``: a FIFO is refused, not waited on) and, unless ``follow``, never follows a
+    symbolic link in the last component (``O_NOFOLLOW``; the manifest's file names are plain
+    names, so that is every component inside a checkpoint directory). Anything but a regular
+    file (FIFO, device, socket, directory, link) is :class:`UnsafeFileError`; a missing file is
+    :class:`CheckpointNotFoundError`; any other refusal is :class:`CheckpointReadError`. Each
+    names the file.
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"{path} does not exist") from e
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise UnsafeFileError(f"{path} is a symbolic link; fastpersist does not follow links inside "
+                                  "a checkpoint (copy the file in instead)") from e
+        raise CheckpointReadError(f"cannot open {path}: {e.strerror or e}") from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeFileError(f"{path} is a {_kind(mode)}, not a regular file; a checkpoint holds "
+                                  "only regular files")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def file_size(fd: int) -> int:
+    return os.fstat(fd).st_size
+
+
+def read_exact(fd: int, path: str, offset: int, nbytes: int) -> bytes:
+    """``nbytes`` bytes at ``offset``; a short read is truncation (:class:`CorruptCheckpointError`),
+    never retried: a read that returns nothing cannot advance."""
+    buf = bytearray(nbytes)
+    got = pread_into(fd, memoryview(buf), offset)
+    if got < nbytes:
+        raise CorruptCheckpointError(f"{path} is truncated: {nbytes} bytes expected at offset {offset}, "
+                                     f"only {got} could be read")
+    return bytes(buf)
+
+
+def read_small_file(path: str, limit: int, what: str, *, follow: bool = False) -> bytes:
+    """The whole of a small file (a manifest, a skeleton, ``latest``), read through
+    :func:`open_regular` and refused, before any byte is read, if it is larger than ``limit``."""
+    fd = open_regular(path, follow=follow)
+    try:
+        size = file_size(fd)
+        if size > limit:
+            raise CorruptCheckpointError(f"{path} is {size} bytes; a {what} may be at most {limit} bytes, "
+                                         "so this is not one (or it is damaged)")
+        try:
+            return read_exact(fd, path, 0, size)
+        except OSError as e:
+            raise CheckpointReadError(f"cannot read {path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:

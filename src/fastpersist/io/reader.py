@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointReadError, CorruptCheckpointError
-from fastpersist.io.buffers import ALIGN, align_down, align_up, memory_view, populate
+from fastpersist.io.buffers import ALIGN, align_down, align_up, aligned_empty, memory_view, populate
 from fastpersist.io.files import DirectFile, pread_into
 
 
@@ -94,6 +96,19 @@ def _run(file: DirectFile, job: _Job) -> None:
 
 
 _POPULATE_THREADS = 2
+
+
+def allocate(path: str, nbytes: int) -> torch.Tensor:
+    """A page-aligned host buffer of ``nbytes`` to read the checkpoint at ``path`` into.
+
+    Callers size it only from byte counts already checked against the files' real sizes; if
+    the memory is still not there, that is a :class:`CheckpointReadError` naming the file.
+    """
+    try:
+        return aligned_empty(nbytes, pin=False)
+    except (MemoryError, RuntimeError) as e:
+        raise CheckpointReadError(f"{path}: cannot allocate {nbytes} bytes to read the checkpoint into "
+                                  f"({type(e).__name__}: {str(e)[:120]})") from e
 
 
 def _populate_ahead(requests: Sequence[ReadRequest], step: int, stop: threading.Event) -> list[threading.Thread]:

@@ -1,0 +1,152 @@
+"""The storages a torch pickle refers to, found without running the pickle. Pure: no I/O.
+
+torch's pickle names every storage by a *persistent id* ``("storage", StorageType, key,
+location, numel)``. :func:`references` reads those ids with an unpickler that builds nothing:
+every global it meets becomes an inert stand-in (except torch's storage classes, whose dtype it
+needs), so no code of the checkpoint runs, whatever the pickle holds, and memory stays
+proportional to the pickle's size.
+
+:func:`binding_problems` then checks the *binding* between the skeleton and the storages
+the checkpoint holds: every referenced key must exist and have exactly ``numel x element
+size`` bytes, and every stored storage must be referenced. Load and verify both run it, so
+a storage key the skeleton does not know, a storage of the wrong size, or a skeleton that
+points at storages the checkpoint lacks is caught by both, before any tensor is built.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Reference:
+    key: str
+    nbytes: int  # numel x element size, as torch's loader will slice it
+
+
+class _Inert:
+    """Whatever the pickle builds: accepts every call and every mutation, does nothing."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *_args: Any, **_kwargs: Any) -> _Inert:
+        return _Inert()
+
+    def __setstate__(self, _state: Any) -> None:
+        pass
+
+    def __setitem__(self, _key: Any, _value: Any) -> None:
+        pass
+
+    def append(self, _value: Any) -> None:
+        pass
+
+    def extend(self, _values: Any) -> None:
+        pass
+
+
+class _Problem(Exception):
+    pass
+
+
+class _StorageType(_Inert):
+    """Stands for one of torch's storage classes (never the class itself: calling it would
+    allocate)."""
+
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
+
+
+def _itemsizes() -> dict[str, int]:
+    """Element size of each of torch's storage classes, by name (``FloatStorage``: 4)."""
+    out = {"UntypedStorage": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage's deprecation notice
+        for name in dir(torch):
+            cls = getattr(torch, name, None)
+            dtype = getattr(cls, "dtype", None) if name.endswith("Storage") and isinstance(cls, type) else None
+            if isinstance(dtype, torch.dtype):
+                out[name] = dtype.itemsize
+    return out
+
+
+_ITEMSIZES = _itemsizes()
+
+
+def _storage_type(module: str, name: str) -> _StorageType | None:
+    if module not in ("torch", "torch.storage") or name not in _ITEMSIZES:
+        return None
+    return _StorageType(_ITEMSIZES[name])
+
+
+class _Scanner(pickle.Unpickler):
+    def __init__(self, raw: bytes) -> None:
+        super().__init__(io.BytesIO(raw), encoding="utf-8")
+        self.found: list[Reference] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _storage_type(module, name) or _Inert
+
+    def persistent_load(self, pid: Any) -> Any:
+        self.found.append(_reference(pid))
+        return _Inert()
+
+
+def _reference(pid: Any) -> Reference:
+    if not isinstance(pid, tuple) or len(pid) != 5:
+        raise _Problem(f"a persistent id is {type(pid).__name__} {str(pid)[:60]}, not torch's storage tuple")
+    kind, storage_type, key, _location, numel = pid
+    if kind not in ("storage", b"storage"):
+        raise _Problem(f"unknown persistent id kind {str(kind)[:40]!r}")
+    if isinstance(key, bytes):
+        key = key.decode("ascii", "replace")
+    if not isinstance(key, str) or isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise _Problem(f"storage reference ({str(key)[:40]!r}, {str(numel)[:40]}) is not a key and a count")
+    if not isinstance(storage_type, _StorageType):
+        raise _Problem(f"storage {key!r} has an unknown storage type")
+    return Reference(key, numel * storage_type.itemsize)
+
+
+def references(raw: bytes) -> tuple[list[Reference], str | None]:
+    """Every storage reference in the pickle ``raw``, and what is wrong with the pickle if it
+    cannot be read to its end (the references found until then are returned too)."""
+    scanner = _Scanner(raw)
+    try:
+        scanner.load()
+    except _Problem as e:
+        return scanner.found, str(e)
+    except RecursionError:
+        return scanner.found, "the pickle nests too deeply"
+    except Exception as e:  # noqa: BLE001 - any damage in a pickle surfaces here, named
+        return scanner.found, f"the pickle is damaged ({type(e).__name__}: {str(e)[:120]})"
+    return scanner.found, None
+
+
+def binding_problems(raw: bytes, sizes: Mapping[str, int]) -> list[str]:
+    """What is wrong between the pickle ``raw`` and the storages held, ``sizes`` (key -> bytes).
+
+    Empty when every reference names a held storage of exactly its size, no key is referred to
+    with two sizes, and every held storage is referred to.
+    """
+    found, damage = references(raw)
+    problems = [damage] if damage else []
+    seen: dict[str, int] = {}
+    for ref in found:
+        if seen.setdefault(ref.key, ref.nbytes) != ref.nbytes:
+            problems.append(f"storage {ref.key!r} is referred to with {seen[ref.key]} and {ref.nbytes} bytes")
+        elif ref.key not in sizes:
+            problems.append(f"the skeleton refers to storage {ref.key!r}, which the checkpoint does not hold")
+        elif sizes[ref.key] != ref.nbytes:
+            problems.append(f"storage {ref.key!r} holds {sizes[ref.key]} bytes, but the skeleton's tensor needs "
+                            f"{ref.nbytes}")
+    if not damage:
+        problems += [f"storage {k!r} is held but the skeleton never refers to it" for k in sizes if k not in seen]
+    return problems

@@ -249,16 +249,27 @@ def check_unverified(dirs: Sequence[str], manifest: mf.Manifest) -> None:
 
 def open_file(dirs: Sequence[str], manifest: mf.Manifest, index: int, direct: str) -> DirectFile:
     """Open file ``index`` of the checkpoint: a regular file, not a link, at least its listed size."""
+    file = _open_listed(dirs, manifest, index, direct)
+    try:
+        check_size(file, manifest, index)
+    except BaseException:
+        file.close()
+        raise
+    return file
+
+
+def _open_listed(dirs: Sequence[str], manifest: mf.Manifest, index: int, direct: str) -> DirectFile:
     path = _file_path(dirs, manifest, index)
     try:
-        file = DirectFile.open_for_read(path, direct)
+        return DirectFile.open_for_read(path, direct)
     except CheckpointNotFoundError as e:
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint lists it, the directory lacks it") from e
+
+
+def check_size(file: DirectFile, manifest: mf.Manifest, index: int) -> None:
     have, want = file_size(file.fd), manifest.files[index].size
     if have < want:
-        file.close()
-        raise CorruptCheckpointError(f"{path} is truncated: {have} bytes, the manifest says {want}")
-    return file
+        raise CorruptCheckpointError(f"{file.path} is truncated: {have} bytes, the manifest says {want}")
 
 
 def read_skeleton(path: str, file: DirectFile, manifest: mf.Manifest, name: str, verify: bool) -> dict[str, bytes]:
@@ -460,9 +471,10 @@ def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20) ->
     try:
         for i in _needed_files(manifest, list(manifest.objects)):
             path = _collect(problems, manifest.files[i].name, "file", lambda i=i: _file_path(dirs, manifest, i))
-            file = path and _collect(problems, path, "file", lambda i=i: open_file(dirs, manifest, i, "off"))
-            if file is not None:
+            file = path and _collect(problems, path, "file", lambda i=i: _open_listed(dirs, manifest, i, "off"))
+            if file:  # a truncated file stays open: what it still holds is checked, the rest named
                 files[i] = file
+                _collect(problems, path, "file", lambda i=i, file=file: check_size(file, manifest, i))
         checked = 0
         for name, obj in sorted(manifest.objects.items()):
             checked += _verify_object(problems, dirs, manifest, name, obj, files, chunk)
@@ -510,6 +522,9 @@ def _verify_object(problems: list[Problem], dirs: Sequence[str], manifest: mf.Ma
                 continue  # the file's problem is already reported
             path = _file_path(dirs, manifest, e.file)
             what = f"object {name!r} storage {s.key!r} bytes {e.start}..{e.start + e.nbytes}"
+            if e.offset + e.nbytes > file_size(files[e.file].fd):
+                problems.append(Problem(path, what, e.offset, "lies beyond the end of the file"))
+                continue
             got = _collect(problems, path, what, lambda e=e, path=path: _hash_range(files[e.file], path, e, chunk))
             if got is None:
                 continue

@@ -36,7 +36,7 @@ _CHECKSUM = re.compile(r"[0-9a-f]{16}", re.ASCII)
 # the document closed where the field starts). See docs/FORMAT.md.
 _SELF_FIELD = "manifest_checksum"
 _SELF_TAIL = re.compile(rb',"manifest_checksum":"([0-9a-f]{16})"\}\Z')
-_MAX_CREATED = 1 << 40  # seconds since 1970: year 36812
+_MAX_CREATED = 253402214400  # seconds since 1970: 9999-12-31, the last day datetime can show
 
 
 def rank_object(rank: int) -> str:

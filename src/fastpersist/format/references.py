@@ -29,6 +29,7 @@ import torch
 class Reference:
     key: str
     nbytes: int  # numel x element size, as torch's loader will slice it
+    itemsize: int = 1
 
 
 class _Inert:
@@ -87,17 +88,55 @@ def _storage_type(module: str, name: str) -> _StorageType | None:
     return _StorageType(_ITEMSIZES[name])
 
 
+class _StorageRef(_Inert):
+    """What a persistent id unpickles to here: the storage's key and size."""
+
+    def __init__(self, ref: Reference) -> None:
+        self.ref = ref
+
+
+def _view_problem(storage: Any, offset: Any, size: Any, stride: Any) -> str | None:
+    """What is wrong with a tensor view of ``storage`` (None if it lies inside it)."""
+    if not isinstance(storage, _StorageRef):
+        return None
+    key = storage.ref.key
+    ints = [offset, *size, *stride] if isinstance(size, tuple) and isinstance(stride, tuple) else None
+    if ints is None or len(size) != len(stride) or not all(type(v) is int for v in ints):
+        return f"a tensor of storage {key!r} has a malformed shape"
+    if offset < 0 or any(v < 0 for v in ints):
+        return f"a tensor of storage {key!r} has a negative offset, size or stride"
+    if 0 in size:
+        return None
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    itemsize = storage.ref.itemsize
+    if (last + 1) * itemsize > storage.ref.nbytes:
+        return (f"a tensor view of storage {key!r} reaches element {last}, beyond the storage's "
+                f"{storage.ref.nbytes // max(1, itemsize)} elements")
+    return None
+
+
 class _Scanner(pickle.Unpickler):
     def __init__(self, raw: bytes) -> None:
         super().__init__(io.BytesIO(raw), encoding="utf-8")
         self.found: list[Reference] = []
+        self.views: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._rebuild_tensor
         return _storage_type(module, name) or _Inert
 
-    def persistent_load(self, pid: Any) -> Any:
-        self.found.append(_reference(pid))
+    def _rebuild_tensor(self, storage: Any = None, offset: Any = 0, size: Any = (), stride: Any = (),
+                        *_rest: Any, **_kwargs: Any) -> _Inert:
+        problem = _view_problem(storage, offset, size, stride)
+        if problem:
+            self.views.append(problem)
         return _Inert()
+
+    def persistent_load(self, pid: Any) -> Any:
+        ref = _reference(pid)
+        self.found.append(ref)
+        return _StorageRef(ref)
 
 
 def _reference(pid: Any) -> Reference:
@@ -112,22 +151,23 @@ def _reference(pid: Any) -> Reference:
         raise _Problem(f"storage reference ({str(key)[:40]!r}, {str(numel)[:40]}) is not a key and a count")
     if not isinstance(storage_type, _StorageType):
         raise _Problem(f"storage {key!r} has an unknown storage type")
-    return Reference(key, numel * storage_type.itemsize)
+    return Reference(key, numel * storage_type.itemsize, storage_type.itemsize)
 
 
-def references(raw: bytes) -> tuple[list[Reference], str | None]:
-    """Every storage reference in the pickle ``raw``, and what is wrong with the pickle if it
-    cannot be read to its end (the references found until then are returned too)."""
+def references(raw: bytes) -> tuple[list[Reference], list[str], str | None]:
+    """Every storage reference in the pickle ``raw``, what is wrong with its tensor views (torch's
+    ``_rebuild_tensor_v2``: offset, size and stride inside the storage), and what is wrong with
+    the pickle if it cannot be read to its end (what was found until then is returned too)."""
     scanner = _Scanner(raw)
     try:
         scanner.load()
     except _Problem as e:
-        return scanner.found, str(e)
+        return scanner.found, scanner.views, str(e)
     except RecursionError:
-        return scanner.found, "the pickle nests too deeply"
+        return scanner.found, scanner.views, "the pickle nests too deeply"
     except Exception as e:  # noqa: BLE001 - any damage in a pickle surfaces here, named
-        return scanner.found, f"the pickle is damaged ({type(e).__name__}: {str(e)[:120]})"
-    return scanner.found, None
+        return scanner.found, scanner.views, f"the pickle is damaged ({type(e).__name__}: {str(e)[:120]})"
+    return scanner.found, scanner.views, None
 
 
 def binding_problems(raw: bytes, sizes: Mapping[str, int]) -> list[str]:
@@ -136,8 +176,8 @@ def binding_problems(raw: bytes, sizes: Mapping[str, int]) -> list[str]:
     Empty when every reference names a held storage of exactly its size, no key is referred to
     with two sizes, and every held storage is referred to.
     """
-    found, damage = references(raw)
-    problems = [damage] if damage else []
+    found, views, damage = references(raw)
+    problems = ([damage] if damage else []) + views
     seen: dict[str, int] = {}
     for ref in found:
         if seen.setdefault(ref.key, ref.nbytes) != ref.nbytes:

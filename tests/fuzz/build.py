@@ -6,6 +6,7 @@ by fastpersist itself, then edited in place the way damage or an attacker would.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -154,6 +155,7 @@ def zip_bytes(members: list[tuple[str, bytes]], *, method: int = 0, raw_data: di
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=8)
 def deflate_bomb(nbytes: int) -> bytes:
     """Deflated bytes that inflate to ``nbytes`` zeros (about 1000:1)."""
     c = zlib.compressobj(9, zlib.DEFLATED, -15)

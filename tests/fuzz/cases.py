@@ -510,12 +510,20 @@ def run_case(bases: Bases, fmt: str, seed: int, index: int, work: str, timeout_s
     return case, kind, outcome
 
 
-def run_many(bases: Bases, fmt: str, seed: int, count: int, work: str) -> tuple[Counter[str], list[str]]:
+def family(mutation: str) -> str:
+    """The mutation's kind ("flip", "json", "special"...), for the per-kind table."""
+    return mutation.split(":")[0].split()[0].split("+")[0]
+
+
+def run_many(bases: Bases, fmt: str, seed: int, count: int, work: str,
+             by_family: Counter[tuple[str, str]] | None = None) -> tuple[Counter[str], list[str]]:
     counts: Counter[str] = Counter()
     failures: list[str] = []
     for i in range(count):
         case, kind, outcome = run_case(bases, fmt, seed, i, work)
         counts[kind] += 1
+        if by_family is not None:
+            by_family[(family(case.mutation), kind)] += 1
         if kind in FAILURES:
             failures.append(f"{fmt} case {i} (seed {seed}) {case.mutation}: {kind}: {outcome}")
     return counts, failures

@@ -269,7 +269,7 @@ def _single_mutation(rng: random.Random, path: str, where: str, marker: str, pla
             raw = open(path, "rb").read()
             tail = len(raw) - rng.randrange(1, 800)
             build.flip(path, max(0, tail), rng.randrange(1, 256))
-            return f"{kind}+structure", False
+            return f"tail-flip: byte {max(0, tail)} (the zip directory's region)", False
         return f"{kind}: {_BYTE_MUTATIONS[kind](rng, path)}", False
     if kind == "plain_torch":
         shutil.copyfile(plain, path)

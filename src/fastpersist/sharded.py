@@ -397,7 +397,7 @@ def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_lo
             file.close()
     if verify:
         _verify(dirs, manifest, name, entry, bases, addr, config.reader_threads)
-    shift = buf.storage_offset()  # the buffer is an aligned view into a larger allocation
+    shift = int(buf.storage_offset())  # the buffer is an aligned view into a larger allocation
     offsets = {f"data/{s.key}": base + shift for s, base in zip(entry.storages, bases)}
     return skeleton.rebuild(_manifest_path(dirs), skeleton.ArchiveView(small, offsets), buf.untyped_storage(),
                             map_location, weights_only)

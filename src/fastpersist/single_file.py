@@ -173,7 +173,7 @@ def load(
     problems = references.binding_problems(small["data.pkl"], sizes)
     if problems:
         raise CorruptCheckpointError(f"{path}: {problems[0]}; the file is damaged")
-    shift = base - region.storage_offset()  # file offset -> offset in the region's storage
+    shift = base - int(region.storage_offset())  # file offset -> offset in the region's storage
     offsets = {n: r.offset - shift for n, r in records.items() if n.startswith("data/")}
     archive = skeleton.ArchiveView(small, offsets)
     return skeleton.rebuild(path, archive, region.untyped_storage(), map_location, weights_only)

@@ -100,16 +100,19 @@ def _view_problem(storage: Any, offset: Any, size: Any, stride: Any) -> str | No
     if not isinstance(storage, _StorageRef):
         return None
     key = storage.ref.key
-    ints = [offset, *size, *stride] if isinstance(size, tuple) and isinstance(stride, tuple) else None
-    if ints is None or len(size) != len(stride) or not all(type(v) is int for v in ints):
+    if type(size) is not tuple or type(stride) is not tuple or len(size) != len(stride) or type(offset) is not int:
         return f"a tensor of storage {key!r} has a malformed shape"
-    if offset < 0 or any(v < 0 for v in ints):
-        return f"a tensor of storage {key!r} has a negative offset, size or stride"
-    if 0 in size:
-        return None
-    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    last = offset
+    empty = False
+    for n, st in zip(size, stride):
+        if type(n) is not int or type(st) is not int or n < 0 or st < 0:
+            return f"a tensor of storage {key!r} has a malformed or negative size or stride"
+        empty = empty or n == 0
+        last += (n - 1) * st
+    if offset < 0:
+        return f"a tensor of storage {key!r} has a negative offset"
     itemsize = storage.ref.itemsize
-    if (last + 1) * itemsize > storage.ref.nbytes:
+    if not empty and (last + 1) * itemsize > storage.ref.nbytes:
         return (f"a tensor view of storage {key!r} reaches element {last}, beyond the storage's "
                 f"{storage.ref.nbytes // max(1, itemsize)} elements")
     return None

@@ -236,6 +236,19 @@ def test_symlink_to_system_files_is_never_read(tmp_path, target):
     _refused(run_isolated(probes.load_step, roots, timeout_s=20), "symbolic link")
 
 
+def test_linked_step_directory_is_not_a_checkpoint_of_the_root(tmp_path):
+    """A step directory planted as a link inside a root (here to a real checkpoint elsewhere,
+    named by `latest`) is neither listed nor used as `latest`."""
+    from fastpersist import catalog
+
+    roots, doc = _sharded(tmp_path)
+    os.symlink(os.path.join(roots[0], build.STEP), os.path.join(roots[0], "step-00000002"))
+    with open(os.path.join(roots[0], "latest"), "w") as f:
+        f.write("step-00000002\n")
+    assert [e.step for e in catalog.scan(roots[0])] == [1]
+    assert catalog.read_latest(roots[0]) == 1
+
+
 def test_single_file_named_through_a_link_is_followed(tmp_path):
     """The policy: links the caller names (a single file, roots) are the caller's and followed."""
     real = _single(tmp_path)

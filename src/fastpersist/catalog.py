@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,9 +67,20 @@ def scan(root: str) -> list[Entry]:
     for name in names:
         step = parse_step_dir(name)
         path = os.path.join(root, name)
-        if step is not None and os.path.isdir(path):
-            out.append(Entry(step, path, os.path.isfile(os.path.join(path, mf.MANIFEST_NAME))))
+        # a step directory that is a link is not a checkpoint of this root (links inside a root
+        # are never followed). "committed" stays "a manifest entry exists", whatever its kind, so
+        # that clean-up never deletes a directory holding one; reading it checks the kind.
+        if step is not None and os.path.isdir(path) and not os.path.islink(path):
+            out.append(Entry(step, path, os.path.lexists(os.path.join(path, mf.MANIFEST_NAME))))
     return sorted(out, key=lambda e: e.step)
+
+
+def _is_regular(path: str) -> bool:
+    """Whether ``path`` is a regular file itself (not through a link)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def read_manifest(step_path: str) -> mf.Manifest:
@@ -100,9 +112,10 @@ def read_latest(root: str) -> int | None:
     except (CheckpointError, UnicodeDecodeError) as e:  # damaged: fall back, but say so
         logger.warning("fastpersist: ignoring %s: %s", path, e)
         step = None
-    if step is not None and os.path.isfile(os.path.join(root, step_dir(step), mf.MANIFEST_NAME)):
+    if step is not None and not os.path.islink(os.path.join(root, step_dir(step))) and _is_regular(
+            os.path.join(root, step_dir(step), mf.MANIFEST_NAME)):
         return step
-    committed = [e.step for e in scan(root) if e.committed]
+    committed = [e.step for e in scan(root) if e.committed and _is_regular(os.path.join(e.path, mf.MANIFEST_NAME))]
     return committed[-1] if committed else None
 
 

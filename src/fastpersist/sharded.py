@@ -220,8 +220,8 @@ def _file_path(dirs: Sequence[str], manifest: mf.Manifest, index: int) -> str:
     f = manifest.files[index]
     if f.root >= len(dirs):
         raise CheckpointReadError(
-            f"the checkpoint's file {f.name!r} is on root #{f.root}, but only {len(dirs)} roots were "
-            "given: pass every root the checkpoint was written to"
+            f"{_manifest_path(dirs)}: the checkpoint's file {f.name!r} is on root #{f.root}, but only "
+            f"{len(dirs)} roots were given: pass every root the checkpoint was written to"
         )
     return os.path.join(dirs[f.root], f.name)
 
@@ -376,7 +376,8 @@ def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_lo
     cannot make load allocate more than the files hold.
     """
     if name not in manifest.objects:
-        raise CheckpointReadError(f"the checkpoint of step {manifest.step} holds no object {name!r}")
+        raise CheckpointReadError(f"{_manifest_path(dirs)}: the checkpoint of step {manifest.step} holds no "
+                                  f"object {name!r}")
     if verify:
         check_unverified(dirs, manifest)
     entry = manifest.objects[name]

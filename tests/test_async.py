@@ -17,7 +17,7 @@ import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.cli.demo import crash_and_resume
 from fastpersist.io.backend import FileBackend
-from fastpersist.retention import Retention
+from fastpersist.timeline import Commit, Retention
 from fastpersist.state import RNGState
 
 MODES = ["sync", "snapshot", "overlap"]
@@ -111,7 +111,7 @@ def test_guarded_step_waits_for_the_write(tmp_path, small_io):
     t0 = time.perf_counter()
     step()  # the guarded optimizer step must wait for the write
     waited = time.perf_counter() - t0
-    assert handle._data_written.is_set() and waited > 0.1
+    assert handle.staged.done() and waited > 0.1
     handle.wait()
     assert handle.metrics.step_wait_s > 0.1
     got = Checkpointer(str(tmp_path / "ck")).load(1)
@@ -184,13 +184,18 @@ def test_retention_keeps_in_flight_and_latest(tmp_path, small_io):
     assert [i.step for i in ck.list()] == [3]
 
 
+def _commits(*steps: int) -> list[Commit]:
+    """Commits of ``steps`` in this order (sequence 1, 2, ...)."""
+    return [Commit(s, i + 1, 0.0) for i, s in enumerate(steps)]
+
+
 def test_retention_policy():
     r = Retention(keep_last=2, keep_every=10)
-    assert r.to_delete([1, 2, 3, 10, 11, 12], latest=12) == [1, 2, 3]  # 10: every 10th; 11, 12: last 2
-    assert r.to_delete([1, 2, 3, 10, 11, 12, 13], latest=13) == [1, 2, 3, 11]
-    assert r.to_delete([1, 2, 3], latest=1, protected=[2]) == []  # latest and in-flight survive
-    assert Retention().to_delete([1, 2, 3], latest=3) == []
-    with pytest.raises(fp.CheckpointError):
+    assert r.to_delete(_commits(1, 2, 3, 10, 11, 12)) == [1, 2, 3]  # 10: every 10th; 11, 12: last 2
+    assert r.to_delete(_commits(1, 2, 3, 10, 11, 12, 13)) == [1, 2, 3, 11]
+    assert Retention(keep_last=1).to_delete(_commits(1, 2, 3), protected=[2]) == [1]  # in flight survives
+    assert Retention().to_delete(_commits(1, 2, 3)) == []
+    with pytest.raises(ValueError, match="keep"):
         Retention(keep_last=0)
 
 

@@ -92,8 +92,8 @@ def test_real_full_disk(small_fs, mode):
 def test_root_turns_read_only(remountable_fs, mode):
     with Checkpointer([remountable_fs], mode=mode) as ck:
         ck.save(1, state(1)).wait()
+    ck = Checkpointer([remountable_fs], mode=mode)  # the root turns read-only under a running job
     remount(remountable_fs, "ro")  # (a file open for writing, like the root's lock, would refuse it)
-    ck = Checkpointer([remountable_fs], mode=mode)
     try:
         with pytest.raises(fp.CheckpointWriteError, match="Read-only file system"):
             ck.save(2, state(2)).wait()

@@ -83,6 +83,7 @@ class Manifest:
     objects: dict[str, ObjectEntry]
     version: int = FORMAT_VERSION
     user: dict[str, Any] = field(default_factory=dict)
+    sequence: int = 0  # commit order among the checkpoints of these roots (0: not recorded)
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +111,7 @@ class Manifest:
                 for name, o in sorted(self.objects.items())
             },
             "user": self.user,
+            "sequence": self.sequence,
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -183,6 +185,7 @@ def parse(path: str, raw: bytes) -> Manifest:
     if not isinstance(user, dict):
         raise rd.fail("header", "field 'user' must be an object")
     created = doc.get("created", 0.0)
+    sequence = rd.count(doc, "sequence", "header") if "sequence" in doc else 0
     return Manifest(
         step=rd.count(doc, "step", "header"),
         save_id=rd.get(doc, "save_id", str, "header"),
@@ -193,6 +196,7 @@ def parse(path: str, raw: bytes) -> Manifest:
         objects=objects,
         version=version,
         user=user,
+        sequence=sequence,
     )
 
 

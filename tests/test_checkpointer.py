@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+from helpers import states_equal as _equal
 import torch
 
 import fastpersist as fp
@@ -36,16 +37,6 @@ def _state(seed: int) -> dict:
         "nested": {"list": [torch.full((3,), seed), seed], "s": f"seed {seed}"},
         "step": seed,
     }
-
-
-def _equal(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _roots(tmp_path, n: int) -> list[str]:

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from helpers import states_equal as _equal
 import torch
 
 import fastpersist as fp
@@ -26,16 +27,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from crash_child import state  # noqa: E402
 
 CHILD = os.path.join(os.path.dirname(__file__), "crash_child.py")
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _run_child(roots: list[str], mode: str, point: str, at: int, delay: float,

@@ -149,6 +149,8 @@ def writer_ranks(policy: str | int | Sequence[int], hosts: Sequence[str]) -> lis
         return sorted(r for ranks in by_host.values() for r in ranks[:policy])
     if isinstance(policy, str):
         raise ValueError(f"writers={policy!r}: use 'all', 'node', a number per node or a list of ranks")
+    if isinstance(policy, bool) or not isinstance(policy, Sequence):
+        raise TypeError(f"writers must be 'all', 'node', an int or a list of ranks, got {policy!r}")
     chosen = sorted(set(int(r) for r in policy))
     bad = [r for r in chosen if not 0 <= r < world]
     if not chosen or bad:

@@ -8,6 +8,7 @@ while (or after) a job writes there. The :class:`~fastpersist.Checkpointer` read
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -104,7 +105,7 @@ class CheckpointView:
         """The most recently committed step (see :mod:`fastpersist.timeline`), or None."""
         return catalog.read_latest(self.roots[0])
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Every checkpoint in the first root, committed or not, by step."""
         return list_checkpoints(self.roots[0])
 
@@ -116,7 +117,7 @@ class CheckpointView:
         """The ``metadata`` passed to ``save()`` for ``step``."""
         return dict(self.manifest(step).user)
 
-    def _dirs(self, step: int | str) -> tuple[list[str], mf.Manifest]:
+    def _dirs(self, step: int | str) -> tuple[builtins.list[str], mf.Manifest]:
         manifest = self.manifest(step)
         name = catalog.step_dir(manifest.step)
         return [os.path.join(r, name) for r in self.roots], manifest
@@ -154,7 +155,7 @@ class CheckpointView:
         name = mf.rank_object(_current_rank() if rank is None else rank)
         return load_object(dirs, manifest, name, into, map_location, weights_only, verify, self.config)
 
-    def verify(self, step: int | str = "latest") -> list[sharded.Problem]:
+    def verify(self, step: int | str = "latest") -> builtins.list[sharded.Problem]:
         """Read every byte of ``step`` and check every checksum; the problems found (empty: OK)."""
         dirs, manifest = self._dirs(step)
         return sharded.verify(dirs, manifest)[0]

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ class _Block(nn.Module):
         self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
         self.ln2 = nn.LayerNorm(d)
         self.experts = experts
+        self.mlp: nn.Module
         if experts:
             self.router = nn.Linear(d, experts)
             self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
@@ -57,7 +58,7 @@ class _Block(nn.Module):
         gate = self.router(h).softmax(-1)  # top-1 routing
         weight, choice = gate.max(-1)
         out = torch.zeros_like(h)
-        for e, expert in enumerate(self.mlp):
+        for e, expert in enumerate(cast(nn.ModuleList, self.mlp)):
             sel = choice == e
             if sel.any():
                 out[sel] = expert(h[sel]) * weight[sel].unsqueeze(-1)
@@ -84,7 +85,7 @@ class TinyGPT(nn.Module):
         for b in self.blocks:
             x = b(x, mask)
         if self.training:
-            self.tokens_seen += idx.numel()
+            cast(torch.Tensor, self.tokens_seen).add_(idx.numel())
         return self.head(self.ln(x))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import sys
 from collections.abc import Callable
 
 from fastpersist.io.files import DirectFile, fsync_dir
@@ -115,7 +116,7 @@ class FileBackend:
 
         self.before_delete(path)
         if _HAS_ONEXC:
-            shutil.rmtree(path, onexc=report)
+            shutil.rmtree(path, onexc=report)  # type: ignore[call-arg,unused-ignore]
         else:  # Python < 3.12
             shutil.rmtree(path, onerror=lambda f, p, ei: report(f, p, ei[1]))
 
@@ -132,4 +133,4 @@ class FileBackend:
         return fd
 
 
-_HAS_ONEXC = "onexc" in shutil.rmtree.__code__.co_varnames
+_HAS_ONEXC = sys.version_info >= (3, 12)

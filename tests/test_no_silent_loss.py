@@ -417,3 +417,16 @@ def test_lock_goes_through_the_backend(tmp_path):
     ck.save(1, {"x": torch.ones(3)})
     ck.close()
     json.dumps([i.step for i in ck.list()])
+
+
+@pytest.mark.parametrize("op", ["open", "write", "fsync", "rename"])
+def test_single_file_save_fault_keeps_the_previous_file(tmp_path, op):
+    """Every step of fastpersist.save goes through the file seam: a fault at any of them leaves
+    the previous file intact and no temporary file behind."""
+    path = tmp_path / "model.pt"
+    fp.save(replicated(1, SMALL), path)
+    backend = FaultyBackend([Fault(op, errno.ENOSPC if op in ("write", "open") else errno.EIO)])
+    with pytest.raises(fp.CheckpointWriteError, match="model.pt"):
+        fp.save(replicated(2, SMALL), path, backend=backend)
+    assert backend.fired and os.listdir(tmp_path) == ["model.pt"]
+    assert_state_equal(fp.load(path), replicated(1, SMALL))

@@ -148,7 +148,7 @@ def test_flipped_byte_is_caught(tmp_path):
 
 def test_missing_file_and_other_shape(tmp_path):
     roots, sd = _plain_checkpoint(tmp_path)
-    with pytest.raises(BaseException, match="size|shape"):
+    with pytest.raises(BaseException, match="(?i)size mismatch"):
         dcp.load({"w": torch.zeros(999, 33)}, storage_reader=Reader(roots))
     for r in roots:
         for n in os.listdir(r):

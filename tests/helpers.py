@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -77,11 +78,15 @@ def _differ(a: Any, b: Any, path: str, seen: dict[int, int]) -> str | None:
     if isinstance(a, torch.Tensor):
         if type(a) is not type(b):
             return f"{path}: {type(a).__name__} vs {type(b).__name__}"
-        for what in ("dtype", "shape", "requires_grad"):
+        for what in ("dtype", "shape", "requires_grad", "device"):
             if getattr(a, what) != getattr(b, what):
                 return f"{path}: {what} {getattr(a, what)} vs {getattr(b, what)}"
         if a.numel() and a.stride() != b.stride():
             return f"{path}: stride {a.stride()} vs {b.stride()}"
+        if a.storage_offset() != b.storage_offset():
+            return f"{path}: storage offset {a.storage_offset()} vs {b.storage_offset()}"
+        if a.untyped_storage().nbytes() != b.untyped_storage().nbytes():
+            return f"{path}: storage of {a.untyped_storage().nbytes()} vs {b.untyped_storage().nbytes()} bytes"
         sa, sb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
         if a.untyped_storage().nbytes() and seen.setdefault(sa, sb) != sb:
             return f"{path}: storage sharing differs (shares a storage in one state, not in the other)"
@@ -106,6 +111,13 @@ def _differ(a: Any, b: Any, path: str, seen: dict[int, int]) -> str | None:
             if d:
                 return d
         return None
+    if isinstance(a, float):  # bitwise: -0.0 is not 0.0, NaN equals NaN
+        return None if struct.pack("<d", a) == struct.pack("<d", b) else f"{path}: {a!r} vs {b!r}"
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # numpy arrays and scalars
+        import numpy as np
+
+        same = a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        return None if same else f"{path}: arrays differ"
     return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
@@ -149,17 +161,26 @@ def _rank_main(rank: int, world: int, init: str, out: str, fn: Callable[..., Any
         pickle.dump(result, f)
 
 
-def run_ranks(tmp_path: Any, world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+def run_ranks(tmp_path: Any, world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes on a gloo process group;
     return each rank's result, or raise with the failing ranks' tracebacks. ``fn`` must be a
-    module-level function (spawn pickles it by name)."""
+    module-level function (spawn pickles it by name). Ranks still running after ``timeout``
+    seconds (a hang) are killed and the test fails."""
     import tempfile
+    import time
 
     import torch.multiprocessing as mp
 
     out = tempfile.mkdtemp(prefix="ranks-", dir=str(tmp_path))
     init = f"file://{out}/rendezvous"
-    mp.start_processes(_rank_main, args=(world, init, out, fn, args), nprocs=world, start_method="spawn", join=True)
+    ctx = mp.start_processes(_rank_main, args=(world, init, out, fn, args), nprocs=world, start_method="spawn",
+                             join=False)
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"ranks still running after {timeout} s: a hang")
     results = []
     failures = []
     for r in range(world):

@@ -212,7 +212,9 @@ def test_background_error_surfaces_everywhere(tmp_path, small_io):
     assert isinstance(h.exception(), fp.CheckpointWriteError)
     backend.fail = None
     with pytest.raises(fp.CheckpointWriteError, match="injected EIO"):
-        ck.save(4, {"model": model})
+        ck.save(4, {"model": model})  # raises step 3's failure, after queueing step 4 (ranks stay in step)
+    ck.wait()
+    assert ck.latest_step() == 4
     # from the guarded optimizer step
     backend.fail = OSError(errno.EIO, "injected EIO again")
     h = ck.save(5, {"model": model, "optim": opt})
@@ -222,7 +224,7 @@ def test_background_error_surfaces_everywhere(tmp_path, small_io):
     backend.fail = None
     step()  # reported once: training can go on
     ck.close()
-    assert ck.latest_step() == 1 and [i.step for i in ck.list()] == [1]
+    assert ck.latest_step() == 4 and [i.step for i in ck.list()] == [1, 4]
 
 
 def test_full_disk_in_the_background(tmp_path, small_fs):

@@ -7,7 +7,6 @@ Each test names the failure it guards against; each failed on the code before th
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import random
@@ -37,7 +36,7 @@ def test_over_budget_save_waits_for_queued_ones(tmp_path):
     backend = HeldBackend(hold="step-00000001")
     ck = fp.Checkpointer(str(tmp_path / "ck"), max_in_flight=2, snapshot_bytes=BUDGET, backend=backend)
     h1 = ck.save(1, replicated(1, SMALL))
-    backend.holding.wait(30)
+    assert backend.holding.wait(30)
     releaser = threading.Thread(target=lambda: (wait_until(lambda: len(ck._in_flight) == 2), backend.release()))
     releaser.start()
     h2 = ck.save(2, replicated(2, BIG))  # over budget: returns once committed
@@ -413,10 +412,20 @@ def test_lock_goes_through_the_backend(tmp_path):
     ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync", backend=backend)
     with pytest.raises(fp.CheckpointWriteError, match="cannot lock"):
         ck.save(1, {"x": torch.ones(3)})
+    assert backend.fired == [("lock", str(tmp_path / "ck" / ".fastpersist.lock"))]
     backend.arm([])
     ck.save(1, {"x": torch.ones(3)})
     ck.close()
-    json.dumps([i.step for i in ck.list()])
+    assert [i.step for i in ck.list()] == [1]
+
+
+def test_single_file_directory_fsync_failure_is_reported(tmp_path):
+    """A failure after the rename says the new file is in place (not "previous file kept")."""
+    path = tmp_path / "model.pt"
+    backend = FaultyBackend([Fault("fsync", errno.EIO, at=2)])  # 1: the file, 2: its directory
+    with pytest.raises(fp.CheckpointWriteError, match="replaced by the new, complete file"):
+        fp.save(replicated(2, SMALL), path, backend=backend)
+    assert_state_equal(fp.load(path), replicated(2, SMALL))
 
 
 @pytest.mark.parametrize("op", ["open", "write", "fsync", "rename"])
@@ -430,3 +439,85 @@ def test_single_file_save_fault_keeps_the_previous_file(tmp_path, op):
         fp.save(replicated(2, SMALL), path, backend=backend)
     assert backend.fired and os.listdir(tmp_path) == ["model.pt"]
     assert_state_equal(fp.load(path), replicated(1, SMALL))
+
+
+def _one_rank_raises(rank: int, world: int, root: str) -> list[str]:
+    """Rank 1's save(1) raises (a bad argument on that rank only); both ranks go on saving."""
+    ck = fp.Checkpointer(root, mode="sync", timeout_s=60)
+    outcomes = []
+    for step in (1, 2, 3):
+        meta = {"loss": float("nan")} if (rank == 1 and step == 1) else {"loss": 1.0}
+        try:
+            ck.save(step, replicated(step, SMALL), metadata=meta)
+            outcomes.append(f"{step}:ok")
+        except TypeError:
+            outcomes.append(f"{step}:bad-argument")
+        except fp.CheckpointWriteError as e:
+            outcomes.append(f"{step}:{'out-of-step' if 'out of step' in str(e) else str(e)[:80]}")
+    ck.close()
+    return outcomes
+
+
+def test_a_save_raising_on_one_rank_cannot_commit_mismatched_data(tmp_path):
+    """One rank's save() raising before queueing used to shift its queue against the others':
+    later saves were acknowledged on both ranks, `latest` moved, and nothing could be loaded."""
+    root = str(tmp_path / "ck")
+    r0, r1 = run_ranks(tmp_path, 2, _one_rank_raises, root, timeout=240)
+    assert r1[0] == "1:bad-argument"
+    assert all(o.endswith("out-of-step") for o in r0 + r1[1:]), (r0, r1)
+    view = fp.open(root)
+    assert view.latest_step() is None and [i.step for i in view.list() if i.committed] == []
+
+
+_EXIT_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from helpers import replicated
+import fastpersist as fp
+ck = fp.Checkpointer({roots!r})
+ck.save(1, replicated(1, {small}))
+# no close(): the interpreter exits with the checkpoint in flight
+"""
+
+
+def test_checkpoint_in_flight_at_exit_is_finished_over_two_roots(tmp_path):
+    """With two roots the writes use a thread pool, which concurrent.futures shuts down at
+    exit: the exit hook must run before that, or the last checkpoint is lost."""
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    code = _EXIT_CHILD.format(tests=os.path.dirname(__file__), roots=roots, small=SMALL)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "failed" not in proc.stderr, proc.stderr
+    assert_state_equal(fp.open(roots).load(1), replicated(1, SMALL))
+
+
+def test_failed_directory_removal_in_retention_does_not_fail_the_save(tmp_path, caplog):
+    # call 1 removes step 1's manifest (it stops being a checkpoint), call 2 its directory: fails
+    backend = FaultyBackend([Fault("delete", errno.EIO, at=2, path_contains="step-00000001")])
+    ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync", keep=1, backend=backend)
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        ck.save(1, replicated(1, SMALL))
+        ck.save(2, replicated(2, SMALL))  # committed: the cleanup failure is only logged
+    assert any("could not remove" in r.message for r in caplog.records)
+    assert ck.latest_step() == 2 and [i.step for i in ck.list() if i.committed] == [2]
+    assert_state_equal(ck.load(), replicated(2, SMALL))
+    ck.close()
+
+
+def test_metadata_keys_and_rank_types(tmp_path):
+    ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync")
+    with pytest.raises(TypeError, match="keys must be strings"):
+        ck.save(1, {"x": torch.ones(1)}, metadata={1: "a"})
+    ck.save(1, {"x": torch.ones(1)}, rank_state={"r": 1})
+    with pytest.raises(TypeError, match="rank"):
+        fp.open(ck.roots).load_rank_state(1, rank="0")  # type: ignore[arg-type]
+    ck.close()
+
+
+def test_resaving_the_latest_step_abandons_nothing(tmp_path, caplog):
+    ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync")
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        ck.save(1, {"x": torch.ones(1)})
+        ck.save(1, {"x": torch.zeros(1)})
+    assert not [r for r in caplog.records if "timeline" in r.message]
+    assert [i.abandoned for i in ck.list()] == [False]
+    ck.close()

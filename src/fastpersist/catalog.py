@@ -126,7 +126,7 @@ def read_latest(root: str) -> int | None:
     by_step = {e.step: e for e in entries}
     if hint is not None and hint in by_step:
         hint_time = _manifest_mtime(by_step[hint].path)
-        newer = [e for e in entries if e.step != hint and (hint_time is None or (_manifest_mtime(e.path) or 0) > hint_time)]
+        newer = [e for e in entries if e.step != hint and (hint_time is None or (_manifest_mtime(e.path) or 0) >= hint_time)]
         if not newer:
             return hint
         entries = newer + [by_step[hint]]
@@ -173,8 +173,11 @@ def remove_checkpoint(roots: Sequence[str], step: int, backend: FileBackend) -> 
         return False
     for root in roots:
         d = os.path.join(root, name)
-        if os.path.lexists(d):
-            backend.rmtree(d, lambda p, e: logger.warning("could not remove %s: %s", p, e.strerror or e))
+        try:
+            if os.path.lexists(d):
+                backend.rmtree(d, lambda p, e: logger.warning("could not remove %s: %s", p, e.strerror or e))
+        except OSError as e:  # no longer committed: what is left is cleaned at the next start
+            logger.warning("could not remove %s: %s", d, e.strerror or e)
     return True
 
 

@@ -89,6 +89,7 @@ class _Job:
     uses_arena: bool = False
     live: bool = False  # some tensors are written from live (guarded) memory
     inline: bool = False  # save() waits for the commit: the state was not copied
+    number: int = 0  # this Checkpointer's n-th queued save (the same on every rank)
     prepared: tuple[sharded.Prepared, sharded.Prepared | None] | None = None  # pickled at save time
 
 
@@ -170,13 +171,14 @@ class Checkpointer:
         _positive_int("history", history)
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        self.roots = check_roots(root_list(roots))
+        paths = root_list(roots)
+        self.comm = comm if comm is not None else default_comm(timeout_s)
+        self.roots = self._check_roots_everywhere(paths)
         self.mode = mode
         self.retention = Retention(keep, keep_every, abandoned)
         self.max_in_flight = max_in_flight
         self.when_busy = when_busy
         self.check_replicated = bool(check_replicated)
-        self.comm = comm if comm is not None else default_comm(timeout_s)
         self.backend = backend or FileBackend()
         self._config = config
         self._view = CheckpointView(self.roots, config=config)
@@ -184,18 +186,39 @@ class Checkpointer:
         self._protected: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a job leaves the in-flight list
+        self._queued = 0
         self._in_flight: list[_Job] = []
         self._failed: list[SaveHandle] = []
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._broken: str | None = None  # set on every rank alike when the ranks fell out of step
         self._commits: dict[int, timeline.Commit] | None = None  # coordinator: read at the first save
         self.history = History(history)  # metrics of recent saves, and totals
-        hosts = self.comm.all_gather(host_name())
-        self.writer_ranks = writer_ranks(writers, hosts)
+        self.writer_ranks = writer_ranks(writers, self._hosts)
         self._clean_start = clean_start
         self._lock_file = RootLock(self.roots[0], self.backend)
-        atexit.register(_finish_at_exit, weakref.ref(self))
+        _at_exit(_finish_at_exit, weakref.ref(self))
+
+    def _check_roots_everywhere(self, paths: list[str]) -> list[str]:
+        """Check the roots on every rank; if any rank finds them unusable, every rank raises
+        (nobody is left waiting in a collective the others skipped). Also learns the hosts."""
+        error: Exception | None = None
+        roots = paths
+        try:
+            roots = check_roots(paths)
+        except (ValueError, CheckpointWriteError) as e:
+            error = e
+        outcomes = self.comm.all_gather((host_name(), error is None))
+        self._hosts = [h for h, _ in outcomes]
+        if error is not None:
+            raise error
+        bad = [r for r, (_, ok) in enumerate(outcomes) if not ok]
+        if bad:
+            raise CheckpointWriteError(f"the checkpoint roots {paths} cannot be used on rank(s) {bad}; see the "
+                                       "error raised there")
+        return roots
 
     @property
     def config(self) -> IOConfig:
@@ -276,11 +299,13 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self._closed:
             raise CheckpointerClosedError(f"save(step={step!r}) after close(): this Checkpointer takes no more saves")
+        if self._broken is not None:
+            raise CheckpointWriteError(self._broken)
         _check_step(step)
         meta = _check_metadata(metadata)
-        self._raise_failed()
         handle = SaveHandle(SaveMetrics(step, self.mode))
         if not self._make_room(handle):
+            self._raise_failed()
             return handle
         saveable = to_saveable(state)
         own = to_saveable(rank_state) if rank_state is not None else None
@@ -290,19 +315,24 @@ class Checkpointer:
             handle._set_staged()
         with self._lock:
             self._in_flight.append(job)
+            self._queued += 1
+            job.number = self._queued
         self._ensure_worker()
+        # Queued on every rank alike (what a rank raises below differs with timing, so it must
+        # come after the job is queued: otherwise the ranks' queues would fall out of step).
+        self._queue.put(job)  # the worker starts now; nothing below may take time
         if not job.inline:
             handle.metrics.save_call_s = time.perf_counter() - t0
-            self._queue.put(job)  # the worker starts now; nothing below may take time
+            self._raise_failed()
             return handle
         handle.metrics.inline = True
-        self._queue.put(job)
         try:
             handle.result()  # every earlier save first, then this one: one driver, one order
         finally:
             handle.metrics.save_call_s = time.perf_counter() - t0
             if handle.exception() is None:
                 self._log(handle.metrics)
+        self._raise_failed()
         return handle
 
     def _make_room(self, handle: SaveHandle) -> bool:
@@ -320,13 +350,9 @@ class Checkpointer:
             logger.info("checkpoint step %d skipped: %d still in flight", handle.step, self.max_in_flight)
             return False
         handle.metrics.waited_for_previous = True
-        while True:
-            with self._lock:
-                if len(self._in_flight) < self.max_in_flight:
-                    return True
-                oldest = self._in_flight[0].handle
-            oldest._wait_done()
-            self._raise_failed()
+        with self._room:
+            self._room.wait_for(lambda: len(self._in_flight) < self.max_in_flight)
+        return True
 
     def _stage(self, job: _Job) -> bool:
         """Make the job independent of training from now on, except for guarded tensors.
@@ -393,27 +419,29 @@ class Checkpointer:
                 error = e
             finally:
                 self._release(job)
-            with self._lock:  # out of the in-flight list before anyone waiting on the handle wakes
-                self._in_flight.remove(job)
-                if error is not None and not job.inline:
-                    self._failed.append(job.handle)
             if error is None and not job.inline:
                 self._log(job.handle.metrics)  # an inline job is logged by save(), which timed it
+            with self._lock:
+                if error is not None and not job.inline:
+                    self._failed.append(job.handle)
             # A failure is raised to the caller (by wait(), the next save(), a guarded step or
             # close()), never also logged at ERROR; only one nobody collects is (at exit).
             logger.debug("checkpoint step %d finished: %s", job.step, "ok" if error is None else error)
-            job.handle._finish(error)
+            job.handle._finish(error)  # done (and its callbacks run) before it leaves the in-flight list
+            with self._room:
+                self._in_flight.remove(job)
+                self._room.notify_all()
 
     def _raise_failed(self) -> None:
-        """Raise the first background failure not yet seen by the caller."""
+        """Raise the oldest background failure not yet seen by the caller (the others stay
+        pending, for the next call)."""
         with self._lock:
-            pending = [h for h in self._failed if not h.reported]
-            self._failed = []
-        for h in pending[1:]:
-            h.reported = True
-        if pending:
-            pending[0].reported = True
-            raise pending[0]._error  # type: ignore[misc]
+            self._failed = [h for h in self._failed if not h.reported]
+            if not self._failed:
+                return
+            first = self._failed.pop(0)
+            first.reported = True
+        raise first._error  # type: ignore[misc]
 
     def _log(self, m: SaveMetrics) -> None:
         self.history.append(m)
@@ -424,20 +452,29 @@ class Checkpointer:
 
     def _run(self, job: _Job) -> None:
         """The save protocol (see the module docstring); in the worker thread or inline."""
+        step = job.step
+        if self._broken is not None:  # no collective: the other ranks stopped too
+            job.handle._set_staged()
+            raise CheckpointWriteError(self._broken)
+        slots = [(r, j) for r in self.writer_ranks for j in range(len(self.roots))]
         try:
-            if job.prepared is not None:
-                rep, own = job.prepared
-            else:
-                rep = sharded.prepare(mf.REPLICATED, job.state)
-                own = sharded.prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
+            proposals = agree(self.comm, f"preparing checkpoint step {step}", lambda: self._prepare_step(job, slots))
         except BaseException:
             job.handle._set_staged()
             raise
-        step = job.step
-        slots = [(r, j) for r in self.writer_ranks for j in range(len(self.roots))]
-        digest = plan_digest(rep.sizes, len(slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
-        proposals = agree(self.comm, f"preparing checkpoint step {step}", lambda: self._prepare_step(digest))
-        differing = [r for r, (d, _) in enumerate(proposals) if d != proposals[0][0]]
+        rep, own = job.prepared  # type: ignore[misc]
+        out_of_step = [r for r, p in enumerate(proposals) if p[2:] != proposals[0][2:]]
+        if out_of_step:  # every rank sees it in the same step: all stop issuing collectives
+            self._broken = (
+                f"the ranks are out of step: rank 0 is saving step {proposals[0][2]} (its save #{proposals[0][3]}) "
+                f"while rank {out_of_step[0]} is saving step {proposals[out_of_step[0]][2]} (its save "
+                f"#{proposals[out_of_step[0]][3]}). Every rank must call save() with the same steps in the same "
+                "order, and an exception raised by save() on one rank only (a bad argument) leaves that rank one "
+                "save behind; this Checkpointer takes no more saves (nothing further is committed): restart "
+                "the job's Checkpointers"
+            )
+            raise CheckpointWriteError(self._broken)
+        differing = [r for r, p in enumerate(proposals) if p[0] != proposals[0][0]]
         if differing:
             raise CheckpointWriteError(
                 f"checkpoint step {step}: the replicated state differs between ranks: ranks {differing} disagree "
@@ -462,7 +499,10 @@ class Checkpointer:
                 catalog.remove_files(self.roots, step, f"{save_id}-", self.backend, prune=True)
             raise
         if self.rank == 0:
-            self._after_commit(step, written)
+            try:
+                self._after_commit(step, written)
+            except Exception as e:  # noqa: BLE001 - committed: a cleanup failure must not fail the save
+                logger.warning("checkpoint step %d is committed; cleaning up after it failed: %s", step, e)
         m = job.handle.metrics
         for r in written[self.rank].reports:
             m.bytes_per_root[r.root] = m.bytes_per_root.get(r.root, 0) + sum(e.nbytes for e in r.extents)
@@ -470,15 +510,23 @@ class Checkpointer:
         m.bytes_total = sum(e.nbytes for w in written for r in w.reports for e in r.extents)
         m.total_s = time.perf_counter() - job.started
 
-    def _prepare_step(self, digest: str) -> tuple[str, str]:
-        """Step 1 on this rank. The coordinator takes the root's lock on the first save and
-        then, owning the roots, removes what a crashed run left there (before anyone writes)."""
+    def _prepare_step(self, job: _Job, slots: list[tuple[int, int]]) -> tuple[str, str, int, int]:
+        """Step 1 on this rank: serialize the state (unless save() did), propose the plan's
+        digest, a save id, the step and this save's number (so ranks out of step are caught).
+        The coordinator takes the root's lock on the first save and then, owning the roots,
+        removes what a crashed run left there (before anyone writes)."""
+        if job.prepared is None:
+            rep = sharded.prepare(mf.REPLICATED, job.state)
+            own = sharded.prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
+            job.prepared = (rep, own)
+        rep = job.prepared[0]
+        digest = plan_digest(rep.sizes, len(slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
         if self.rank == 0 and not self._lock_file.held:
             self._lock_file.acquire()
             if self._clean_start:
                 catalog.clean_incomplete(self.roots, self.backend)
             self._commits = {c.step: c for c in catalog.commits(self.roots[0])}
-        return digest, secrets.token_hex(6)
+        return digest, secrets.token_hex(6), job.step, job.number
 
     def _write(self, name: str, save_id: str, job: _Job, rep: sharded.Prepared, own: sharded.Prepared | None,
                extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
@@ -559,8 +607,12 @@ class Checkpointer:
             catalog.write_atomic(self.roots[0], catalog.LATEST, f"{catalog.step_dir(step)}\n".encode(), self.backend)
             self.backend.event("after-latest")
         except OSError as e:  # committed anyway: readers find the most recent commit by its sequence
-            logger.warning("checkpoint step %d is committed but %s could not be updated: %s",
-                           step, os.path.join(self.roots[0], catalog.LATEST), e)
+            latest = os.path.join(self.roots[0], catalog.LATEST)
+            logger.warning("checkpoint step %d is committed but %s could not be updated: %s", step, latest, e)
+            try:  # a stale pointer must not win a tie of manifest times: remove it (best effort)
+                self.backend.unlink(latest)
+            except OSError:
+                pass
 
     def _is_committed(self, step: int, save_id: str) -> bool:
         try:
@@ -583,15 +635,10 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every checkpoint in flight; raises the first failure not yet raised."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = [j.handle for j in self._in_flight]
-            if not pending:
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not pending[0]._wait_done(left):
-                raise TimeoutError(f"checkpoint step {pending[0].step} is still in flight after {timeout} s")
+        with self._room:
+            if not self._room.wait_for(lambda: not self._in_flight, timeout):
+                step = self._in_flight[0].step
+                raise TimeoutError(f"checkpoint step {step} is still in flight after {timeout} s")
         self._raise_failed()
 
     def close(self) -> None:
@@ -665,6 +712,9 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None
         return None
     if not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    bad_keys = [k for k in metadata if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"metadata keys must be strings, got {bad_keys[0]!r}")
     try:
         text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as e:
@@ -683,6 +733,18 @@ def _json_ok(key: object, value: object) -> bool:
     except (TypeError, ValueError):
         return False
     return not (isinstance(value, float) and not math.isfinite(value))
+
+
+def _at_exit(fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` when the interpreter exits, before concurrent.futures stops taking
+    work (a save in flight needs its thread pools): threading's exit hooks run in reverse
+    order of registration, before atexit's, and concurrent.futures registered its own there
+    when it was imported, before any Checkpointer existed."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every supported Python has it
+        atexit.register(fn, *args)
+        return
+    register(fn, *args)
 
 
 def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:

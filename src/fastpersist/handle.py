@@ -91,7 +91,10 @@ class SaveHandle:
     def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
         """Call ``fn(handle)`` once the checkpoint is committed or failed (at once if it is).
 
-        Callbacks run in the thread that finishes the save; an exception in one is logged."""
+        Callbacks run in the Checkpointer's save thread, before the next save starts: keep them
+        short, and never call ``save()``, ``wait()`` or ``close()`` of the same Checkpointer
+        from one (they would wait for the thread that runs them). An exception in one is
+        logged."""
         def call(_: cf.Future[SaveMetrics]) -> None:
             try:
                 fn(self)

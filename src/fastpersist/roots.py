@@ -44,16 +44,28 @@ def _check_usable(path: str) -> None:
                                    "(permissions or a read-only filesystem)")
 
 
-def _identity(path: str) -> tuple[int, int] | None:
+def _key(path: str) -> tuple[int, int, str]:
+    """Where ``path`` is, independent of how it is named: the (device, inode) of its nearest
+    existing ancestor (itself when it exists) and the rest of the path below it. Two names of
+    one directory (a symlink, a bind mount) get the same key even before it exists."""
+    base = _nearest_existing(path)
     try:
-        st = os.stat(path)
+        st = os.stat(base)
     except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
+        return (-1, -1, os.path.realpath(path))
+    rest = os.path.relpath(path, base)
+    return (st.st_dev, st.st_ino, "" if rest == "." else rest)
 
 
 def _inside(inner: str, outer: str) -> bool:
     return inner != outer and os.path.commonpath([inner, outer]) == outer
+
+
+def _nested(a: tuple[int, int, str], b: tuple[int, int, str]) -> bool:
+    """Whether ``b`` lies inside ``a`` (same base, a's rest a proper prefix of b's)."""
+    if a[:2] != b[:2] or a[2] == b[2]:
+        return False
+    return a[2] == "" or b[2].startswith(a[2] + os.sep)
 
 
 def check_roots(paths: Sequence[str]) -> list[str]:
@@ -61,17 +73,18 @@ def check_roots(paths: Sequence[str]) -> list[str]:
     cannot be used (``ValueError`` for the former, :class:`CheckpointWriteError` for the latter)."""
     roots = [os.path.abspath(os.fspath(p)) for p in paths]
     real = [os.path.realpath(r) for r in roots]
-    ids = [_identity(r) for r in roots]
+    keys = [_key(r) for r in roots]
     for i in range(len(roots)):
         for j in range(i + 1, len(roots)):
             a, b = roots[i], roots[j]
-            if real[i] == real[j] or (ids[i] is not None and ids[i] == ids[j]):
+            if real[i] == real[j] or keys[i] == keys[j]:
                 raise ValueError(f"roots[{i}] {a} and roots[{j}] {b} are the same directory; every root "
                                  "must be a distinct directory (ideally one per SSD)")
-            if _inside(real[i], real[j]) or _inside(real[j], real[i]):
-                outer, inner = (b, a) if _inside(real[i], real[j]) else (a, b)
-                raise ValueError(f"checkpoint root {inner} lies inside another root, {outer}; roots must "
-                                 "not contain each other")
+            for outer, inner, ko, ki, ro, ri in ((a, b, keys[i], keys[j], real[i], real[j]),
+                                                 (b, a, keys[j], keys[i], real[j], real[i])):
+                if _inside(ri, ro) or _nested(ko, ki):
+                    raise ValueError(f"checkpoint root {inner} lies inside another root, {outer}; roots must "
+                                     "not contain each other")
     for r in roots:
         _check_usable(r)
     return roots

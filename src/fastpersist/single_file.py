@@ -55,7 +55,8 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
 
     Accepts everything ``torch.save`` accepts. The file appears under ``path`` only when it is
     complete and durable; an existing file of that name is replaced atomically, and is left
-    untouched if the save fails (no temporary file is left either). ``backend`` is the file
+    untouched if the save fails before the rename (no temporary file is left either); a failure
+    to fsync the directory after the rename says so. ``backend`` is the file
     seam (default: real files; see :mod:`fastpersist.faults`).
     """
     cfg = config or get_config()
@@ -87,9 +88,15 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
             file.close()
         try:
             io.replace(temp, path)
-            io.fsync_dir(directory)
         except OSError as e:
             raise CheckpointWriteError(f"cannot publish {path}: {e.strerror or e}") from e
+        try:
+            io.fsync_dir(directory)
+        except OSError as e:  # past the rename: the new file is complete, its name maybe not durable
+            raise CheckpointWriteError(
+                f"{path} was replaced by the new, complete file, but its directory {directory} could not be "
+                f"fsync'd ({e.strerror or e}): after a power loss the name may still show the previous file"
+            ) from e
     except BaseException:
         with contextlib.suppress(OSError):  # keep the original error
             if os.path.lexists(temp):

@@ -7,9 +7,9 @@ Users resume from an older checkpoint after a loss spike or a bad data shard: wi
   ``sequence``, one more than any commit before it in these roots; ``latest`` is the commit with
   the highest sequence (manifests without one, written before sequences existed, are ordered by
   their creation time and come before any that has one).
-- **A save whose step is not greater than the largest step on the live timeline starts a new
-  timeline.** The checkpoints committed before it with a step at least as large (8, 9, 10
-  above) are *abandoned*: formally, walking the commits from the most recent one backwards, a
+- **A save whose step is smaller than the largest step on the live timeline starts a new
+  timeline.** The checkpoints committed before it with a larger step (8, 9, 10 above) are
+  *abandoned* (one of the same step is replaced): formally, walking the commits from the most recent one backwards, a
   commit is live when its step is smaller than the step of every live commit after it.
 - **Retention counts live commits only**, in commit order, and never deletes a live checkpoint
   in favour of an abandoned one. Abandoned checkpoints are kept by default (a rollback is often
@@ -67,8 +67,9 @@ def latest(commits: Iterable[Commit]) -> int | None:
 
 
 def abandoned_by(step: int, commits: Sequence[Commit]) -> list[int]:
-    """The live steps that committing ``step`` now would abandon (empty: same timeline)."""
-    return [s for s in live_steps(commits) if s >= step]
+    """The live steps that committing ``step`` now would abandon (empty: same timeline). An
+    existing checkpoint of ``step`` itself is replaced, not abandoned."""
+    return [s for s in live_steps(commits) if s > step]
 
 
 def next_sequence(commits: Iterable[Commit]) -> int:

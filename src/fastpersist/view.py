@@ -149,8 +149,10 @@ class CheckpointView:
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,
                         verify: bool | None = None) -> Any:
         """Load the ``rank_state`` that ``rank`` saved (default: this process's rank, or 0)."""
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-            raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"rank must be an integer, got {type(rank).__name__} {rank!r}")
+        if rank is not None and rank < 0:
+            raise ValueError(f"rank must be non-negative, got {rank}")
         dirs, manifest = self._dirs(step)
         name = mf.rank_object(_current_rank() if rank is None else rank)
         return load_object(dirs, manifest, name, into, map_location, weights_only, verify, self.config)

@@ -89,6 +89,7 @@ class FileBackend:
         os.replace(src, dst)
 
     def fsync_dir(self, path: str) -> None:
+        self.before_fsync(path)
         fsync_dir(path)
 
     def makedirs(self, path: str) -> None:

@@ -33,6 +33,7 @@ on its node that the new metadata does not name.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import logging
@@ -275,6 +276,18 @@ class Writer(StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
+def _merge_spans(spans: list[tuple[int, int]], gap: int = 64 * 1024) -> list[tuple[int, int]]:
+    """Sorted (offset, length) spans, those closer than ``gap`` merged (one request reads them)."""
+    out: list[tuple[int, int]] = []
+    for offset, n in spans:
+        if out and offset - (out[-1][0] + out[-1][1]) <= gap:
+            start = out[-1][0]
+            out[-1] = (start, max(out[-1][0] + out[-1][1], offset + n) - start)
+        else:
+            out.append((offset, n))
+    return out
+
+
 def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Items over ``bins`` files, largest first to the least loaded (within a rank)."""
     def size(item: WriteItem) -> int:
@@ -407,8 +420,14 @@ class Reader(StorageReader):
     def _read_file(self, path: str, items: list[ReadItem], planner: LoadPlanner, cfg: IOConfig,
                    verify: bool) -> None:
         locs = [self._location(i) for i in items]
-        spans = sorted({(loc.offset, loc.length) for loc in locs})
+        spans = _merge_spans(sorted({(loc.offset, loc.length) for loc in locs}))
         end = max(o + n for o, n in spans)
+        bases: list[int] = []  # where each span starts in the buffer: same 4 KiB phase as in the file
+        pos = 0
+        for offset, n in spans:
+            base = align_up(pos) + offset % ALIGN
+            bases.append(base)
+            pos = base + n
         try:
             file = DirectFile(path, os.O_RDONLY, cfg.direct)
         except FileNotFoundError as e:
@@ -419,20 +438,27 @@ class Reader(StorageReader):
             size = os.fstat(file.fd).st_size
             if size < end:
                 raise CorruptCheckpointError(f"{path} is truncated: {size} bytes, the metadata needs {end}")
-            buf = aligned_empty(align_up(end + ALIGN), pin=False)
+            buf = aligned_empty(align_up(pos + ALIGN), pin=False)
             addr = buf.data_ptr()
-            read_into(file, [ReadRequest(0, end, addr, buf.numel(), fresh=True)], cfg)
+            reqs = [ReadRequest(o, n, addr + b, buf.numel() - b, fresh=True) for (o, n), b in zip(spans, bases)]
+            read_into(file, reqs, cfg)
         finally:
             file.close()
+        starts = [o for o, _ in spans]
+
+        def at(offset: int) -> int:  # buffer position of file byte ``offset``
+            k = bisect.bisect_right(starts, offset) - 1
+            return bases[k] + offset - spans[k][0]
+
         for item, loc in zip(items, locs):
-            raw = memory_view(addr + loc.offset, loc.length)
+            raw = memory_view(addr + at(loc.offset), loc.length)
             if verify and xxhash.xxh3_64_intdigest(raw) != loc.checksum:
                 raise ChecksumMismatchError(f"{path}: item {item.storage_index.fqn!r} (bytes {loc.offset}.."
                                             f"{loc.offset + loc.length}) fails its checksum; the checkpoint is corrupt")
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(bytes(raw)))
                 continue
-            self._load_tensor(path, item, loc, buf[loc.offset: loc.offset + loc.length], planner)
+            self._load_tensor(path, item, loc, buf[at(loc.offset): at(loc.offset) + loc.length], planner)
 
     def _load_tensor(self, path: str, item: ReadItem, loc: ItemLocation, raw: torch.Tensor,
                      planner: LoadPlanner) -> None:

@@ -521,3 +521,19 @@ def test_resaving_the_latest_step_abandons_nothing(tmp_path, caplog):
     assert not [r for r in caplog.records if "timeline" in r.message]
     assert [i.abandoned for i in ck.list()] == [False]
     ck.close()
+
+
+def test_torch_internals_are_checked(monkeypatch):
+    """torch's private serialization calls live in one module, which names what differs."""
+    from fastpersist import _torch
+
+    _torch.check.cache_clear()
+    _torch.check()  # the installed torch is a tested one
+    monkeypatch.delattr(torch.serialization, "_get_storage_alignment")
+    _torch.check.cache_clear()
+    try:
+        with pytest.raises(fp.UnsupportedTorchError, match="_get_storage_alignment is missing"):
+            _torch.storage_alignment()
+    finally:
+        monkeypatch.undo()
+        _torch.check.cache_clear()

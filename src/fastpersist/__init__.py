@@ -14,6 +14,7 @@ from fastpersist.errors import (
     ReplicaMismatchError,
     UnsaveableObjectError,
     UnsupportedFormatError,
+    UnsupportedTorchError,
 )
 from fastpersist.handle import SaveHandle, SaveMetrics
 from fastpersist.single_file import load, save
@@ -41,6 +42,7 @@ __all__ = [
     "SaveMetrics",
     "UnsaveableObjectError",
     "UnsupportedFormatError",
+    "UnsupportedTorchError",
     "configure",
     "get_config",
     "list_checkpoints",

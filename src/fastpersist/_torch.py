@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fastpersist.errors import CheckpointError
+from fastpersist.errors import UnsupportedTorchError
 
 TESTED = "2.13"
 
@@ -26,10 +26,6 @@ _EXPECTED = {
     "_load": ("zip_file", "map_location", "pickle_module", "overall_storage"),
     "_get_storage_alignment": (),
 }
-
-
-class UnsupportedTorchError(CheckpointError):
-    """torch's serialization internals differ from what this fastpersist was built against."""
 
 
 @functools.cache

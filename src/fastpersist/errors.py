@@ -74,3 +74,7 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsupportedFormatError(CheckpointReadError):
     """The checkpoint was written in a newer format version than this fastpersist reads."""
+
+
+class UnsupportedTorchError(CheckpointError):
+    """torch's serialization internals differ from what this fastpersist was tested with."""

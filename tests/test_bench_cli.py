@@ -1,0 +1,37 @@
+"""``fastpersist bench``: it works in a directory of its own and removes only that."""
+
+from __future__ import annotations
+
+import os
+
+from fastpersist.cli import bench
+
+
+def test_bench_dir_keeps_the_users_directory(tmp_path, monkeypatch, capsys):
+    """`fastpersist bench --dir X` used to end with `rmtree(X)`: the directory the user named,
+    and whatever they kept in it, was deleted. Only the run's own subdirectory may go."""
+    monkeypatch.setattr(bench, "drop_caches", lambda: False)  # not under test; leave the host's cache alone
+    user_dir = tmp_path / "scratch"
+    user_dir.mkdir()
+    (user_dir / "keep.txt").write_text("the user's file")
+    (user_dir / "data").mkdir()
+    before = sorted(os.listdir(user_dir))
+    out_json = tmp_path / "r.json"
+
+    rc = bench.main(["--sizes", "0.002", "--rounds", "1", "--settle", "0", "--probe-mib", "4",
+                     "--dir", str(user_dir), "--json", str(out_json)])
+
+    assert rc == 0
+    assert user_dir.is_dir(), "the benchmark removed the directory the user named"
+    assert sorted(os.listdir(user_dir)) == before, "the benchmark left files behind or removed the user's"
+    assert (user_dir / "keep.txt").read_text() == "the user's file"
+    assert out_json.exists()
+    assert "| fastpersist.save / device write |" in capsys.readouterr().out
+
+
+def test_bench_dir_is_created_when_missing_and_left_empty(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "drop_caches", lambda: False)
+    target = tmp_path / "new" / "dir"
+    assert bench.main(["--sizes", "0.002", "--rounds", "1", "--settle", "0", "--probe-mib", "4",
+                       "--dir", str(target)]) == 0
+    assert target.is_dir() and os.listdir(target) == []

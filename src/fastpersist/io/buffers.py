@@ -233,13 +233,17 @@ class _ReadyEvents:
             marks[s.data_ptr()] = ev
         if not marks:
             return
+        self._ensure_hook()
+        with self._lock:
+            self._events.update(marks)
+
+    def _ensure_hook(self) -> None:
         with self._lock:
             if not self._hooked:
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
                 register_optimizer_step_pre_hook(self._invalidate)
                 self._hooked = True
-            self._events.update(marks)
 
     def get(self, storage_address: int) -> Any:
         with self._lock:

@@ -38,6 +38,7 @@ def smoke(tmp_path_factory) -> tuple[dict, str, float]:
 def test_smoke_run_writes_every_section(smoke):
     report, md, elapsed = smoke
     assert report["smoke"] is True and elapsed < BOUND_S
+    assert not report.get("errors"), report.get("errors")
     for key in ("machine", "d2h", "save", "train", "crash", "targets", "part_s"):
         assert key in report, key
     assert set(report["part_s"]) == {"machine", "d2h", "save", "train fits", "train big", "crash"}

@@ -80,3 +80,27 @@ def test_smoke_run_crashes_mid_write_and_resumes_exactly(smoke):
     assert c["resumed"] and c["equal"]
     assert sorted(int(s) for s in c["resumed"]) == list(range(c["resumed_from"] + 1, len(c["reference"])))
     assert "bit for bit: yes" in md
+
+
+def test_full_plan_calibrates_and_keeps_to_its_budget(tmp_path):
+    """The full run's own logic, on the smoke model: gradient accumulation is calibrated so
+    that a checkpoint write takes at most half an iteration, and a part out of time still
+    runs every contender once except torch.save on the large model."""
+    import dataclasses
+
+    import torch
+
+    from fastpersist.cli import gpu_check as g
+
+    plan = dataclasses.replace(g.SMOKE, smoke=False)
+    clock = g.Clock(1000, plan.shares)
+    clock.begin("train fits")
+    fits = g.part_train(plan, "fits", torch.device("cpu"), str(tmp_path), clock)
+    c = fits["calibration"]
+    assert fits["accum"] >= 1 and fits["accum"] * c["micro_step_s"] >= min(2 * c["write_s"], 64 * c["micro_step_s"]) * 0.999
+    clock.part_deadline = 0.0  # out of time
+    big = g.part_train(plan, "big", torch.device("cpu"), str(tmp_path), clock)
+    assert {k: len(v) for k, v in big["runs"].items()} == {"none": 1, "overlap": 1, "snapshot": 1, "sync": 1, "dcp": 1,
+                                                          "torch.save": 0}
+    assert clock.cut == ["train big: torch.save round 1 skipped"]
+    assert os.listdir(tmp_path) == []

@@ -74,6 +74,9 @@ def test_pinned_staging_is_registered_at_exactly_its_size(fake_cuda):
         assert fake_cuda.registered[b.addr] == 32 * MiB
     odd = buffers.aligned_empty(5 * MiB + 1)  # rounded to a page, not to a power of two
     assert odd.numel() == 5 * MiB + 1 and fake_cuda.registered[odd.data_ptr()] == 5 * MiB + buffers.ALIGN
+    del bufs, b, odd, pool
+    gc.collect()
+    assert fake_cuda.held == 0, "page-locked memory outlived every tensor using it"
 
 
 def test_registered_memory_is_unregistered_when_its_last_view_goes(fake_cuda):
@@ -102,6 +105,9 @@ def test_a_growing_arena_gives_back_its_old_page_locked_memory(fake_cuda):
     gc.collect()
     assert fake_cuda.held == 40 * MiB + buffers.ALIGN <= arena.budget
     assert arena.allocated == 40 * MiB + buffers.ALIGN
+    del arena
+    gc.collect()
+    assert fake_cuda.held == 0
 
 
 def test_failed_registration_gives_pageable_memory_and_says_so_once(monkeypatch, caplog):
@@ -147,9 +153,11 @@ def test_an_optimizer_step_invalidates_recorded_save_points():
 # ------------------------------------------------------------------------------- on a GPU
 
 
-def _model(device: str = "cuda") -> tuple[nn.Module, torch.optim.Optimizer]:
+def _model(device: str = "cuda", norm: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Two linear layers, with a BatchNorm between them (buffers nothing guards) if ``norm``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 512), nn.BatchNorm1d(512), nn.Linear(512, 64)).to(device)
+    middle = nn.BatchNorm1d(512) if norm else nn.ReLU()
+    model = nn.Sequential(nn.Linear(512, 512), middle, nn.Linear(512, 64)).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -205,8 +213,9 @@ def test_gpu_state_saved_while_training_goes_on_is_the_state_at_save(tmp_path, m
 def test_training_on_its_own_stream_is_saved_after_its_last_step(tmp_path, mode):
     """The optimizer step is queued on a non-default training stream behind a long kernel; a
     device-to-host copy not ordered after that stream (the old copy on the copying thread's
-    default stream) reads the parameters before the step lands."""
-    model, opt = _model()
+    default stream) reads the parameters before the step lands. No BatchNorm: its buffers would
+    be copied inside save(), which waits for the training stream and hides the race."""
+    model, opt = _model(norm=False)
     _train(model, opt)
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -315,3 +324,18 @@ def test_snapshot_mode_keeps_the_saved_device(tmp_path):
         ck.save(1, {"model": model}).wait()
         got = ck.load(1)
     assert got["model"]["0.weight"].device.type == "cuda"
+
+
+@cuda
+@pytest.mark.xfail(strict=True, reason="torchzip.layout runs torch.serialization._save without skip_data, and torch "
+                                       "copies each GPU storage to fresh host memory (storage.cpu()) before the "
+                                       "recorder sees it; see issue 13's report for the fix in format/torchzip.py")
+def test_single_file_layout_keeps_gpu_storages_on_the_gpu():
+    """fastpersist.save of a GPU state must copy device memory through the bounded staging pool.
+    Today the layout step makes a full, synchronous, pageable host copy of the state first
+    (host memory = the state's size, and no overlap of copies with writes)."""
+    from fastpersist.format import torchzip
+
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}
+    layout = torchzip.layout(state)
+    assert [r.storage.device.type for r in layout.storages] == ["cuda", "cuda"]

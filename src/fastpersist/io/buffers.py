@@ -89,14 +89,14 @@ class _RegisteredMemory(mmap.mmap):
 
     def __del__(self) -> None:
         addr, self.registered = self.registered, 0
-        if addr:
-            try:
-                err = int(_cudart().cudaHostUnregister(addr))
-            except Exception as e:  # noqa: BLE001 - interpreter shutdown: the process is going anyway
-                err = -1
-                logger.debug("fastpersist: cudaHostUnregister at %#x: %s", addr, e)
+        if not addr:
+            return
+        try:
+            err = int(_cudart().cudaHostUnregister(addr))
             if err:
                 logger.warning("fastpersist: cudaHostUnregister of staging memory at %#x failed (%d)", addr, err)
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown (module state gone): the process is ending
+            pass
 
 
 _register_warned = False

@@ -35,3 +35,16 @@ def test_bench_dir_is_created_when_missing_and_left_empty(tmp_path, monkeypatch)
     assert bench.main(["--sizes", "0.002", "--rounds", "1", "--settle", "0", "--probe-mib", "4",
                        "--dir", str(target)]) == 0
     assert target.is_dir() and os.listdir(target) == []
+
+
+def test_bench_gpu_runs_the_prepared_gpu_check(capsys):
+    """`fastpersist bench --gpu` is the prepared GPU run (benchmarks/gpu_check.py), with its own options."""
+    import pytest
+
+    from fastpersist.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--gpu", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "fastpersist bench --gpu" in out and "--smoke" in out

@@ -307,10 +307,10 @@ def gpu_state(gib: float, device: torch.device, seed: int = 0) -> dict[str, Any]
                       p + "attn.qkv.bias": randn(3 * d), p + "attn.proj.weight": randn(d, d),
                       p + "ln_2.weight": torch.ones(d, device=device), p + "mlp.fc.weight": randn(4 * d, d),
                       p + "mlp.fc.bias": randn(4 * d), p + "mlp.proj.weight": randn(d, 4 * d)})
-    optim = {i: {"step": torch.tensor(100.0), "exp_avg": randn(*t.shape) * 1e-3, "exp_avg_sq": randn(*t.shape).abs() * 1e-6}
-             for i, t in enumerate(model.values())}
-    return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 3e-4, "params": list(range(len(model)))}]},
-            "step": 100}
+    optim = {i: {"step": torch.tensor(100.0), "exp_avg": randn(*t.shape) * 1e-3,
+                 "exp_avg_sq": randn(*t.shape).abs() * 1e-6} for i, t in enumerate(model.values())}
+    groups = [{"lr": 3e-4, "params": list(range(len(model)))}]
+    return {"model": model, "optim": {"state": optim, "param_groups": groups}, "step": 100}
 
 
 def save_dcp_durable(state: dict[str, Any], path: str) -> None:
@@ -847,7 +847,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         fps = med.get("fastpersist.save")
         dev, tsave = med.get("device write (O_DIRECT)"), med.get("torch.save+fsync")
         if fps and dev:
-            out.append({"target": f"{res['gib']:g} GiB save >= 0.9 x device write", "value": fps / dev, "met": fps / dev >= 0.9})
+            out.append({"target": f"{res['gib']:g} GiB save >= 0.9 x device write", "value": fps / dev,
+                        "met": fps / dev >= 0.9})
         if fps and tsave:
             out.append({"target": f"{res['gib']:g} GiB save >= 3 x torch.save+fsync", "value": fps / tsave,
                         "met": fps / tsave >= 3})

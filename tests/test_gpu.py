@@ -176,7 +176,7 @@ def _expected(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.T
     return out
 
 
-def _loaded(state: dict, ) -> dict[str, torch.Tensor]:
+def _loaded(state: dict) -> dict[str, torch.Tensor]:
     out = {f"model.{k}": v for k, v in state["model"].items()}
     for i, st in enumerate(state["optim"]["state"].values()):
         out.update({f"optim.{i}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
@@ -265,7 +265,8 @@ def test_cuda_rng_state_restores_from_a_gpu_load(tmp_path):
     with Checkpointer(str(tmp_path), mode="sync") as ck:
         ck.save(1, {"step": 1}, rank_state={"rng": RNGState()})
         want_gpu, want_cpu = torch.randn(8, device="cuda"), torch.randn(8)
-        torch.randn(100, device="cuda"), torch.randn(100)
+        torch.randn(100, device="cuda")  # both generators move on
+        torch.randn(100)
         ck.load_rank_state(1, into={"rng": RNGState()}, map_location="cuda")
     assert torch.equal(torch.randn(8, device="cuda"), want_gpu)
     assert torch.equal(torch.randn(8), want_cpu)
@@ -307,7 +308,8 @@ def test_snapshot_of_a_state_on_two_devices_waits_for_both(tmp_path):
             b.add_(1)
         want["b"] = want["b"] + 1
         h = ck.save(1, {"a": a, "b": b})
-        a.zero_(), b.zero_()
+        a.zero_()
+        b.zero_()
         h.wait()
         got = ck.load(1, map_location="cpu")
     assert torch.equal(got["a"], want["a"].cpu()) and torch.equal(got["b"], want["b"].cpu())

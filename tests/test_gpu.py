@@ -110,9 +110,32 @@ def test_a_growing_arena_gives_back_its_old_page_locked_memory(fake_cuda):
     assert fake_cuda.held == 0
 
 
-def test_failed_registration_gives_pageable_memory_and_says_so_once(monkeypatch, caplog):
+def test_failed_registration_falls_back_to_torchs_pinned_memory(monkeypatch, caplog):
+    """Where cudaHostRegister is not supported, staging is still page-locked, from torch."""
     fake = FakeCudart(fail=True)
+    asked: list[int] = []
+
+    def torch_pinned(size: int) -> torch.Tensor:  # stands in for torch.empty(pin_memory=True)
+        asked.append(size)
+        return buffers.aligned_empty(size, pin=False)
+
     monkeypatch.setattr(buffers, "_cudart", lambda: fake)
+    monkeypatch.setattr(buffers, "_torch_pinned", torch_pinned)
+    monkeypatch.setattr(buffers, "_register_warned", False)
+    with caplog.at_level(logging.WARNING, logger="fastpersist.io.buffers"):
+        a = buffers.aligned_empty(MiB + 1, pin=True)
+    assert asked == [MiB + buffers.ALIGN] and a.numel() == MiB + 1 and a.data_ptr() % buffers.ALIGN == 0
+    assert any("pinned allocator" in r.getMessage() for r in caplog.records)
+
+
+def test_failed_registration_without_any_pinning_gives_pageable_memory_once_said(monkeypatch, caplog):
+    fake = FakeCudart(fail=True)
+
+    def no_pinning(size: int) -> torch.Tensor:
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(buffers, "_cudart", lambda: fake)
+    monkeypatch.setattr(buffers, "_torch_pinned", no_pinning)
     monkeypatch.setattr(buffers, "_register_warned", False)
     with caplog.at_level(logging.WARNING, logger="fastpersist.io.buffers"):
         a = buffers.aligned_empty(MiB, pin=True)

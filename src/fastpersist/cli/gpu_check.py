@@ -313,12 +313,28 @@ def gpu_state(gib: float, device: torch.device, seed: int = 0) -> dict[str, Any]
     return {"model": model, "optim": {"state": optim, "param_groups": groups}, "step": 100}
 
 
+def _dcp_single_process(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Keyword arguments that run DCP's ``fn`` in this one process: ``no_dist=True`` where the
+    torch version has it, else a one-rank gloo group (created once)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    if "no_dist" in inspect.signature(fn).parameters:
+        return {"no_dist": True}
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="fastpersist-dcp-"), "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return {}
+
+
 def save_dcp_durable(state: dict[str, Any], path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process by design
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True, thread_count=4), no_dist=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True, thread_count=4),
+                 **_dcp_single_process(dcp.save))
 
 
 def _remove(path: str) -> None:
@@ -347,6 +363,7 @@ def part_save(plan: Plan, device: torch.device, workdir: str, clock: Clock) -> l
             ("fastpersist.save", "fp", lambda: fp.save(state, paths["fp"])),
         ]
         series: dict[str, dict[str, list[float]]] = {c[0]: {"gbps": [], "rss_mib": []} for c in contenders}
+        probe_note = ""
         for r in range(rounds):
             if r and clock.over():
                 clock.note_cut(f"save {gib:g} GiB: {r} of {rounds} rounds")
@@ -358,7 +375,7 @@ def part_save(plan: Plan, device: torch.device, workdir: str, clock: Clock) -> l
                 time.sleep(plan.settle_s)
                 with PeakRSS() as rss:
                     if key == "fio":
-                        _, gbps, _ = device_probe(paths["fio"], "write", probe)
+                        _, gbps, probe_note = device_probe(paths["fio"], "write", probe)
                     else:
                         t0 = time.perf_counter()
                         fn()
@@ -370,7 +387,8 @@ def part_save(plan: Plan, device: torch.device, workdir: str, clock: Clock) -> l
         if not torch.equal(fp.load(_reference_save(state, workdir), map_location="cpu")["model"]["wte.weight"],
                            state["model"]["wte.weight"].cpu()):
             raise RuntimeError("fastpersist.save of the GPU state did not load back equal")
-        results.append({"gib": gib, "payload_gb": payload / GB, "device": str(device), "series": series})
+        results.append({"gib": gib, "payload_gb": payload / GB, "device": str(device), "series": series,
+                        "probe": f"{probe_note}, {probe / GiB:g} GiB"})
         del state
         _empty_cache(device)
     return results
@@ -527,7 +545,8 @@ class DCPAsyncSaver(Saver):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.pending = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict(), "step": it},
-                                          storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True)
+                                          storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                                          **_dcp_single_process(dcp.async_save))
         staged = getattr(self.pending, "staging_completion", None)
         if staged is not None:
             staged.result()  # the state may change once staged
@@ -786,7 +805,7 @@ def _md_save(results: list[dict[str, Any]], facts: dict[str, Any]) -> list[str]:
     for res in results:
         ser = res["series"]
         lines += [f"### {res['gib']:g} GiB state on {res['device']} ({res['payload_gb']:.2f} GB of tensors), "
-                  f"rounds={len(next(iter(ser.values()))['gbps'])}", "",
+                  f"rounds={len(next(iter(ser.values()))['gbps'])}", "", f"Device write: {res.get('probe', '')}.", "",
                   "| contender | GB/s median [min-max] | peak RSS over start, MiB |", "|---|---|---|"]
         lines += [f"| {n} | {_median_spread(s['gbps'])} | {_median_spread(s['rss_mib'], 0)} |" for n, s in ser.items()]
         med = {n: statistics.median(s["gbps"]) for n, s in ser.items() if s["gbps"]}

@@ -105,10 +105,11 @@ _register_warned = False
 def pinned_empty(nbytes: int) -> torch.Tensor:
     """``nbytes`` of page-aligned host memory, page-locked for device-to-host copies.
 
-    Exactly ``nbytes`` (rounded up to a page) are mapped and registered; if registration fails,
-    the memory is still returned, pageable (copies are then slower; logged once).
+    Exactly ``nbytes`` (rounded up to a page) are mapped and registered. Where registration
+    fails (some sandboxes do not support it), torch's pinned allocator is used instead (sizes
+    rounded up to a power of two), and failing that, pageable memory (slower copies); either
+    fallback is logged once.
     """
-    global _register_warned
     size = align_up(max(nbytes, 1))
     mem = _RegisteredMemory(-1, size)
     tensor = torch.frombuffer(mem, dtype=torch.uint8)  # keeps ``mem`` alive while any view lives
@@ -116,11 +117,31 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     err = int(_cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE))
     if err == 0:
         mem.registered = addr
-    elif not _register_warned:
+        return tensor[:nbytes]
+    try:
+        fallback = _torch_pinned(size)
+        how = "torch's pinned allocator is used instead (it rounds sizes up to a power of two)"
+    except RuntimeError as e:
+        fallback, how = tensor, f"staging memory stays pageable and device-to-host copies are slower ({e})"
+    _warn_once(f"fastpersist: cudaHostRegister of {size} bytes failed (cudaError {err}): {how}")
+    return fallback[:nbytes]
+
+
+def _torch_pinned(size: int) -> torch.Tensor:
+    """``size`` bytes from torch's pinned allocator, page-aligned (its blocks are)."""
+    raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    if raw.data_ptr() % ALIGN == 0:
+        return raw
+    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
+    pad = (-raw.data_ptr()) % ALIGN
+    return raw[pad : pad + size]
+
+
+def _warn_once(message: str) -> None:
+    global _register_warned
+    if not _register_warned:
         _register_warned = True
-        logger.warning("fastpersist: cudaHostRegister of %d bytes failed (cudaError %d): staging memory stays "
-                       "pageable and device-to-host copies will be slower", size, err)
-    return tensor[:nbytes]
+        logger.warning("%s", message)
 
 
 def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:

@@ -114,7 +114,7 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     mem = _RegisteredMemory(-1, size)
     tensor = torch.frombuffer(mem, dtype=torch.uint8)  # keeps ``mem`` alive while any view lives
     addr = tensor.data_ptr()
-    err = int(_cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE))
+    err = _register(addr, size)
     if err == 0:
         mem.registered = addr
         return tensor[:nbytes]
@@ -125,6 +125,27 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
         fallback, how = tensor, f"staging memory stays pageable and device-to-host copies are slower ({e})"
     _warn_once(f"fastpersist: cudaHostRegister of {size} bytes failed (cudaError {err}): {how}")
     return fallback[:nbytes]
+
+
+def _register(addr: int, size: int) -> int:
+    """``cudaHostRegister`` in a thread of its own; returns the CUDA error code (0: success).
+
+    A failed CUDA runtime call stays its thread's "last error", and torch's check after its
+    next kernel launch in that thread would report it as the kernel's own failure. A throwaway
+    thread keeps a refusal (some sandboxes refuse registration) away from training's threads.
+    """
+    out: list[int] = []
+
+    def run() -> None:
+        try:
+            out.append(int(_cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE)))
+        except Exception as e:  # noqa: BLE001 - reported as a failed registration
+            logger.debug("fastpersist: cudaHostRegister raised %s", e)
+
+    t = threading.Thread(target=run, name="fastpersist-register")
+    t.start()
+    t.join()
+    return out[0] if out else -1
 
 
 def _torch_pinned(size: int) -> torch.Tensor:

@@ -76,7 +76,8 @@ def gpt_state(gib: float, seed: int = 0) -> dict[str, object]:
     model["ln_f.weight"] = torch.ones(d)
     model["ln_f.bias"] = torch.zeros(d)
     optim_state = {
-        i: {"step": torch.tensor(100.0), "exp_avg": torch.randn_like(t) * 1e-3, "exp_avg_sq": torch.rand_like(t) * 1e-6}
+        i: {"step": torch.tensor(100.0), "exp_avg": torch.randn(t.shape, generator=g) * 1e-3,
+            "exp_avg_sq": torch.rand(t.shape, generator=g) * 1e-6}
         for i, t in enumerate(model.values())
     }
     optim = {

@@ -148,8 +148,9 @@ class FastPersistTrainer(Trainer):
             return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                                  **kwargs)
         finally:
-            if self._fp is not None:
-                self._fp.wait()
+            if self._fp is not None:  # commit what is in flight and release the roots' lock
+                fp_, self._fp = self._fp, None
+                fp_.close()
 
     def _step_dir(self, which: str | bool | int) -> str:
         """The step directory (first root) of the checkpoint ``which`` names."""

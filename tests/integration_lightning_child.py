@@ -7,7 +7,8 @@ gloo when 2) with a checkpoint every step through IO ("async", "sharded" or "fil
 ``ModelCheckpoint(every_n_train_steps=1, save_top_k=2, save_last=True)`` in DIR/ckpt. Rank 0
 appends "GLOBAL_STEP LOSS_HEX" to DIR/losses-<pid>.txt for every step. With KILL_STEP > 0 the
 writer thread SIGKILLs the process on its second write request of the checkpoint of global step
-KILL_STEP (so the kill lands in the middle of writing it). RESUME is a checkpoint path or "none".
+KILL_STEP (so the kill lands in the middle of writing it). RESUME is a checkpoint path, "last" or
+"none".
 Batches are a function of (global step, rank), so the data position is the global step.
 """
 

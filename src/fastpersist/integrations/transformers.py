@@ -128,7 +128,7 @@ class FastPersistTrainer(Trainer):
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint`` is ``True`` (the latest committed
         checkpoint), a step number, or a checkpoint's step directory in the first root. The
-        checkpoints in flight are committed when it returns."""
+        checkpoints in flight are committed, and the roots released, when it returns."""
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             return self._train_and_wait(None, trial, ignore_keys_for_eval, **kwargs)
         step_dir = self._step_dir(resume_from_checkpoint)

@@ -54,7 +54,10 @@ class Tiny(pl.LightningModule):
 def checkpoint_io(kind: str, kill_step: int) -> FastPersistCheckpointIO:
     if kind == "file":
         return FastPersistCheckpointIO("file")
-    faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{kill_step:08d}")] if kill_step > 0 else []
+    # The plugin stages checkpoints under sequence numbers; ModelCheckpoint saves step=G.ckpt, then
+    # last.ckpt, at every global step G >= 1: step=G.ckpt is sequence number 2 * (G - 1).
+    seq = 2 * (kill_step - 1)
+    faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{seq:08d}")] if kill_step > 0 else []
     kwargs = {"backend": FaultyBackend(faults), "config": IOConfig(chunk_bytes=64 * 1024, num_buffers=2)}
     if kind == "async":
         return AsyncFastPersistCheckpointIO(**kwargs)

@@ -30,9 +30,10 @@ def _reference(d: str, devices: int) -> dict[int, str]:
 def _kill_and_resume(d: str, devices: int) -> tuple[dict[int, str], dict[int, str]]:
     ckpt = os.path.join(d, "ckpt")
     run_child(CHILD, [d, str(STEPS), str(devices), "async", str(KILL), "none"], killed=True)
-    # Killed mid-write: the checkpoint of step KILL exists only as a partial directory, and the
-    # checkpoint Lightning resumes from (last.ckpt) is the one before it.
-    assert os.path.isdir(os.path.join(ckpt, f"step={KILL}.ckpt.fp-partial"))
+    # Killed mid-write: the checkpoint of step KILL exists only uncommitted in the staging root,
+    # and the checkpoint Lightning resumes from (last.ckpt) is the one before it.
+    staged = [(c.step, c.committed) for c in fp.list_checkpoints(os.path.join(ckpt, ".fastpersist-staging"))]
+    assert staged == [(2 * (KILL - 1), False)]
     assert not os.path.exists(os.path.join(ckpt, f"step={KILL}.ckpt"))
     assert fp.load_checkpoint(_committed(os.path.join(ckpt, "last.ckpt")), weights_only=False)["global_step"] == KILL - 1
     # Lightning's own ckpt_path="last" lookup: it must not pick the partial directory

@@ -1,9 +1,12 @@
-"""What the integrations share: a process-local Checkpointer per directory, and its publication.
+"""What the integrations share: a process-local Checkpointer for named checkpoints.
 
 Lightning hands a checkpoint to its ``CheckpointIO`` on global rank 0 only, under a path it
-chose (``epoch=0-step=5.ckpt``). Such a checkpoint is written as one fastpersist checkpoint in
-a directory of that name: a Checkpointer rooted at ``<path>.fp-partial`` writes it, and the
-directory is renamed to ``<path>`` once committed, so the framework never sees a partial one.
+chose (``epoch=0-step=5.ckpt``), while a Checkpointer names checkpoints by step under fixed
+roots. :class:`NamedCheckpoints` bridges the two: one long-lived Checkpointer of this process
+(so its snapshot arena and worker are reused) writes every checkpoint as a sequence number under
+a staging root next to the checkpoints; once committed, the checkpoint's directory (a single
+root's checkpoint is self-contained) is moved into ``<path>.fp-partial`` and that is renamed to
+``<path>``, so the framework never sees a partial checkpoint under its name.
 """
 
 from __future__ import annotations
@@ -15,30 +18,74 @@ from typing import Any
 
 from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
 from fastpersist.dist import LocalComm
-from fastpersist.errors import CheckpointNotFoundError
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError
+from fastpersist.handle import SaveHandle
 
 logger = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".fp-partial"
 _OLD_SUFFIX = ".fp-old"
+STAGING = ".fastpersist-staging"
 
 
 def partial_path(path: str) -> str:
-    """Where the checkpoint for ``path`` is written before it is published."""
+    """Where the checkpoint for ``path`` is assembled before it is published."""
     return path + PARTIAL_SUFFIX
 
 
-def local_checkpointer(root: str, mode: str, **kwargs: Any) -> Checkpointer:
-    """A Checkpointer of this process alone, rooted at a fresh ``root``.
+class NamedCheckpoints:
+    """Checkpoints saved under names of the caller's choosing, by one Checkpointer.
 
     Args:
-        root: the directory (removed first if a crashed save left it).
-        mode: ``"sync"``, ``"snapshot"`` or ``"overlap"``.
+        mode: the Checkpointer's mode (``"sync"``, ``"snapshot"`` or ``"overlap"``).
         **kwargs: further Checkpointer arguments (``config``, ``backend``, ``snapshot_bytes``).
     """
-    if os.path.lexists(root):
-        shutil.rmtree(root)
-    return Checkpointer(root, mode=mode, comm=LocalComm(), **kwargs)
+
+    def __init__(self, mode: str, **kwargs: Any) -> None:
+        self.mode = mode
+        self.kwargs = kwargs
+        self._checkpointer: Checkpointer | None = None
+        self._staging: str | None = None
+        self._next = 0
+
+    def start(self, state: Any, path: str) -> tuple[SaveHandle, int]:
+        """Start saving ``state`` for ``path``; returns the handle and the staging sequence number."""
+        ck = self._for(os.path.join(os.path.dirname(os.path.abspath(path)), STAGING))
+        seq, self._next = self._next, self._next + 1
+        return ck.save(seq, state), seq
+
+    def publish(self, handle: SaveHandle, seq: int, path: str) -> None:
+        """Wait for the commit of ``seq``, then move it under ``path`` (replacing an old one)."""
+        handle.wait()
+        staging = self._staging
+        if staging is None:
+            raise CheckpointError(f"fastpersist: no staging root for {path}")
+        (info,) = [c for c in list_checkpoints(staging) if c.step == seq and c.committed]
+        partial = partial_path(path)
+        remove_path(partial)
+        os.mkdir(partial)
+        os.rename(info.path, os.path.join(partial, os.path.basename(info.path)))
+        publish(partial, path)
+
+    def close(self) -> None:
+        """Wait for the checkpoints in flight and release the staging root."""
+        if self._checkpointer is not None:
+            ck, self._checkpointer = self._checkpointer, None
+            ck.close()
+            if self._staging is not None and not list_checkpoints(self._staging):  # all published
+                shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _for(self, staging: str) -> Checkpointer:
+        """The Checkpointer for ``staging`` (a new one if the checkpoints' directory changed)."""
+        if self._checkpointer is not None and self._staging == staging:
+            return self._checkpointer
+        self.close()
+        if os.path.lexists(staging):  # what a dead run staged and never published
+            shutil.rmtree(staging)
+        self._checkpointer = Checkpointer(staging, mode=self.mode, comm=LocalComm(), **self.kwargs)
+        self._staging = staging
+        self._next = 0
+        return self._checkpointer
 
 
 def publish(partial: str, path: str) -> None:

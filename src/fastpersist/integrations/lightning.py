@@ -38,7 +38,6 @@ from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from fastpersist.checkpointer import Checkpointer
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointError
 from fastpersist.handle import SaveHandle
@@ -76,7 +75,7 @@ class FastPersistCheckpointIO(CheckpointIO):
             raise CheckpointError(f"format='file' takes no Checkpointer arguments, got {sorted(checkpointer_kwargs)}")
         self.format = format
         self.config = config
-        self.checkpointer_kwargs = checkpointer_kwargs
+        self._named = _local.NamedCheckpoints(self.mode, config=config, **checkpointer_kwargs)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write Lightning's ``checkpoint`` dict to ``path``.
@@ -93,8 +92,8 @@ class FastPersistCheckpointIO(CheckpointIO):
         if self.format == "file":
             save_file(checkpoint, path, config=self.config)
             return
-        ck, handle = self._start(checkpoint, path)
-        self._finish(ck, handle, path)
+        handle, seq = self._named.start(checkpoint, path)
+        self._named.publish(handle, seq, path)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint written by either format (or by ``torch.save``: a torch file).
@@ -114,29 +113,15 @@ class FastPersistCheckpointIO(CheckpointIO):
         """Remove the checkpoint at ``path`` (file or directory)."""
         _local.remove_path(os.fspath(path))
 
-    def _start(self, checkpoint: dict[str, Any], path: str) -> tuple[Checkpointer, SaveHandle]:
-        """Start writing ``checkpoint`` for ``path`` with a Checkpointer of this process."""
-        ck = _local.local_checkpointer(_local.partial_path(path), self.mode, config=self.config,
-                                       **self.checkpointer_kwargs)
-        try:
-            return ck, ck.save(int(checkpoint.get("global_step", 0)), checkpoint)
-        except BaseException:
-            ck.close()
-            raise
-
-    def _finish(self, ck: Checkpointer, handle: SaveHandle, path: str) -> None:
-        """Wait for the commit, then publish the directory under ``path``."""
-        try:
-            handle.wait()
-        finally:
-            ck.close()
-        _local.publish(_local.partial_path(path), path)
+    def teardown(self) -> None:
+        """Release the staging root (Lightning calls it at the end of ``fit``)."""
+        self._named.close()
 
 
 @dataclass
 class _Pending:
-    checkpointer: Checkpointer
     handle: SaveHandle
+    seq: int
     path: str
     published: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -185,8 +170,8 @@ class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
             oldest.published.wait()
         self._raise_error()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        ck, handle = self._start(checkpoint, path)
-        item = _Pending(ck, handle, path)
+        handle, seq = self._named.start(checkpoint, path)
+        item = _Pending(handle, seq, path)
         with self._lock:
             self._pending.append(item)
         self._ensure_thread()
@@ -215,6 +200,7 @@ class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
                 self._queue.put(None)
                 self._thread.join()
                 self._thread = None
+            self._named.close()
 
     def _wait_for(self, match: Any) -> None:
         with self._lock:
@@ -239,7 +225,7 @@ class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
             if item is None:
                 return
             try:
-                self._finish(item.checkpointer, item.handle, item.path)
+                self._named.publish(item.handle, item.seq, item.path)
             except BaseException as e:  # noqa: BLE001 - raised by the next save or teardown
                 logger.error("fastpersist: Lightning checkpoint %s failed: %s", item.path, e)
                 with self._lock:

@@ -10,6 +10,9 @@ round so the disk's drift hits all alike:
   ``Trainer`` ``save_steps``, ``Accelerator.save_state``);
 - fastpersist sync and asynchronous (snapshot mode) through the integration.
 
+For Lightning it also times the plugins' ``save_checkpoint`` calls directly (blocked time and
+time until written), which the machine's noise hides less than steps per second.
+
 Steps per second is measured from the end of the warm-up steps to the end of the last step
 (every checkpoint's save call, and its background write where it overlaps, fall inside); the
 table gives the median over rounds with [min-max], and the overhead per step against "none".
@@ -175,6 +178,50 @@ def accelerate_run(config: str, d: str, steps: int, every: int) -> float:
     return clock.steps_per_s()
 
 
+def lightning_blocked(base: str, rounds: int) -> str:
+    """Time inside ``CheckpointIO.save_checkpoint`` (what blocks training) and until the checkpoint
+    is written, for Lightning's plugins and fastpersist's, on the MLP's 50 MB checkpoint dict."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistCheckpointIO
+
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, D)).sum().backward()
+    opt.step()
+    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 1}
+    plugins: dict[str, Callable[[], Any]] = {
+        "lightning torch.save": TorchCheckpointIO, "lightning AsyncCheckpointIO": lambda: AsyncCheckpointIO(TorchCheckpointIO()),
+        "fastpersist sync (file)": lambda: FastPersistCheckpointIO("file"),
+        "fastpersist sync (sharded)": lambda: FastPersistCheckpointIO("sharded"),
+        "fastpersist async": AsyncFastPersistCheckpointIO}
+    calls: dict[str, list[float]] = {k: [] for k in plugins}
+    totals: dict[str, list[float]] = {k: [] for k in plugins}
+    d = tempfile.mkdtemp(prefix="bench-int-", dir=base)
+    ios = {k: make() for k, make in plugins.items()}
+    for i in range(rounds * 3):
+        for k, io in ios.items():
+            t0 = time.perf_counter()
+            io.save_checkpoint(checkpoint, os.path.join(d, f"{k.replace(' ', '_')}-{i}.ckpt"))
+            t1 = time.perf_counter()
+            if hasattr(io, "wait"):
+                io.wait()
+            elif isinstance(io, AsyncCheckpointIO):
+                io.teardown()
+            calls[k].append(t1 - t0)
+            totals[k].append(time.perf_counter() - t0)
+    for io in ios.values():
+        io.teardown()
+    shutil.rmtree(d, ignore_errors=True)
+    lines = ["\nLightning CheckpointIO, one 50 MB checkpoint (medians [min-max] of %d saves)\n" % (rounds * 3),
+             "| plugin | blocked in save_checkpoint (ms) | until written (ms) |", "|---|---|---|"]
+    for k in plugins:
+        c, t = sorted(calls[k]), sorted(totals[k])
+        lines.append(f"| {k} | {statistics.median(c) * 1e3:.1f} [{c[0] * 1e3:.1f}-{c[-1] * 1e3:.1f}] | "
+                     f"{statistics.median(t) * 1e3:.1f} [{t[0] * 1e3:.1f}-{t[-1] * 1e3:.1f}] |")
+    return "\n".join(lines)
+
+
 FRAMEWORKS: dict[str, tuple[Callable[[str, str, int, int], float], list[str]]] = {
     "lightning": (lightning_run, ["none", "lightning torch.save", "lightning AsyncCheckpointIO",
                                   "fastpersist sync (file)", "fastpersist async"]),
@@ -225,6 +272,8 @@ def main() -> None:
     print(f"MLP state {state_mb(mlp()):.0f} MB (weights + AdamW); {os.cpu_count()} cores, 1 training thread; "
           f"checkpoints in {a.dir}", flush=True)
     tables = [table(n, measure(n, a.rounds, a.steps, a.every, a.dir), a.every) for n in a.frameworks.split(",")]
+    if "lightning" in a.frameworks.split(","):
+        tables.append(lightning_blocked(a.dir, a.rounds))
     print("\n".join(tables))
     shutil.rmtree(a.dir, ignore_errors=True)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Any
 
 from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
@@ -33,6 +34,16 @@ def partial_path(path: str) -> str:
     return path + PARTIAL_SUFFIX
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A checkpoint being saved under a staging root, to be published under ``path``."""
+
+    handle: SaveHandle
+    seq: int
+    staging: str
+    path: str
+
+
 class NamedCheckpoints:
     """Checkpoints saved under names of the caller's choosing, by one Checkpointer.
 
@@ -48,19 +59,26 @@ class NamedCheckpoints:
         self._staging: str | None = None
         self._next = 0
 
-    def start(self, state: Any, path: str) -> tuple[SaveHandle, int]:
-        """Start saving ``state`` for ``path``; returns the handle and the staging sequence number."""
-        ck = self._for(os.path.join(os.path.dirname(os.path.abspath(path)), STAGING))
+    def start(self, state: Any, path: str) -> Staged:
+        """Start saving ``state`` for ``path`` (in the background, unless the mode is sync)."""
+        staging = os.path.join(os.path.dirname(os.path.abspath(path)), STAGING)
+        ck = self._for(staging)
         seq, self._next = self._next, self._next + 1
-        return ck.save(seq, state), seq
+        return Staged(ck.save(seq, state), seq, staging, path)
 
-    def publish(self, handle: SaveHandle, seq: int, path: str) -> None:
-        """Wait for the commit of ``seq``, then move it under ``path`` (replacing an old one)."""
-        handle.wait()
-        staging = self._staging
-        if staging is None:
-            raise CheckpointError(f"fastpersist: no staging root for {path}")
-        (info,) = [c for c in list_checkpoints(staging) if c.step == seq and c.committed]
+    @staticmethod
+    def publish(staged: Staged) -> None:
+        """Wait for the commit of ``staged``, then move it under its path (replacing an old one).
+
+        Raises:
+            CheckpointError: the save failed (its error), or its directory is gone.
+        """
+        staged.handle.wait()
+        path = staged.path
+        found = [c for c in list_checkpoints(staged.staging) if c.step == staged.seq and c.committed]
+        if not found:
+            raise CheckpointError(f"fastpersist: the checkpoint for {path} is missing from {staged.staging}")
+        info = found[0]
         partial = partial_path(path)
         remove_path(partial)
         os.mkdir(partial)

@@ -40,7 +40,6 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointError
-from fastpersist.handle import SaveHandle
 from fastpersist.integrations import _local
 from fastpersist.single_file import load as load_file
 from fastpersist.single_file import save as save_file
@@ -92,8 +91,7 @@ class FastPersistCheckpointIO(CheckpointIO):
         if self.format == "file":
             save_file(checkpoint, path, config=self.config)
             return
-        handle, seq = self._named.start(checkpoint, path)
-        self._named.publish(handle, seq, path)
+        self._named.publish(self._named.start(checkpoint, path))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint written by either format (or by ``torch.save``: a torch file).
@@ -120,11 +118,12 @@ class FastPersistCheckpointIO(CheckpointIO):
 
 @dataclass
 class _Pending:
-    handle: SaveHandle
-    seq: int
-    path: str
+    staged: _local.Staged
     published: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
+
+    @property
+    def path(self) -> str:
+        return self.staged.path
 
 
 class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
@@ -170,8 +169,7 @@ class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
             oldest.published.wait()
         self._raise_error()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        handle, seq = self._named.start(checkpoint, path)
-        item = _Pending(handle, seq, path)
+        item = _Pending(self._named.start(checkpoint, path))
         with self._lock:
             self._pending.append(item)
         self._ensure_thread()
@@ -225,7 +223,7 @@ class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
             if item is None:
                 return
             try:
-                self._named.publish(item.handle, item.seq, item.path)
+                self._named.publish(item.staged)
             except BaseException as e:  # noqa: BLE001 - raised by the next save or teardown
                 logger.error("fastpersist: Lightning checkpoint %s failed: %s", item.path, e)
                 with self._lock:

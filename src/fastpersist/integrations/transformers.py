@@ -91,7 +91,8 @@ class FastPersistTrainer(Trainer):
             kwargs = {"keep": self.args.save_total_limit, **self.fastpersist_kwargs}
             self._fp = Checkpointer(self.fastpersist_roots, mode=self.fastpersist_mode, **kwargs)
             if self.fastpersist_mode == "overlap" and self.optimizer is not None:
-                self._fp.protect(getattr(self.optimizer, "optimizer", self.optimizer))
+                inner: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+                self._fp.protect(inner)
         return self._fp
 
     # ------------------------------------------------------------------------------------- save

@@ -11,8 +11,11 @@ Three parts, each printing a table (medians of several rounds, [min-max]):
    cost (a checkpoint of a few bytes).
 3. load: a checkpoint written by 4 ranks, loaded at world size 1, vs fastpersist.load of the
    same state as a single file (cold page cache).
+4. replicas: the cost of the replicated-state check (every rank hashes the state it holds,
+   beside its writes) at 2 and 4 gloo ranks: saves with and without it, alternating in the
+   same process group.
 
-    python benchmarks/bench_parallel.py [--gib 0.25] [--rounds 3] [--parts scaling,ranks,load]
+    python benchmarks/bench_parallel.py [--gib 0.25] [--rounds 3] [--parts scaling,ranks,load,replicas]
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def _worker(rank: int, world: int, init: str, job: dict, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
+        torch.manual_seed(1)  # gpt_state's optimizer moments come from the global generator: same on every rank
         state = gpt_state(job["gib"], seed=1) if job["gib"] > 0 else {"x": torch.ones(4)}
         backend = TokenBucketBackend(job["cap"], job["clocks"]) if job.get("cap") else None
         ck = Checkpointer(job["roots"], mode="sync", writers=job.get("writers", "all"), backend=backend)
@@ -113,11 +117,41 @@ def _worker(rank: int, world: int, init: str, job: dict, results: Any) -> None:
         dist.destroy_process_group()
 
 
-def _multi(world: int, job: dict) -> list[float]:
+def _replica_worker(rank: int, world: int, init: str, job: dict, results: Any) -> None:
+    """Saves alternating with and without the replica check; rank 0 reports both lists."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(1)  # replicated means the same bytes on every rank
+        state = gpt_state(job["gib"], seed=1)
+        roots = {c: [os.path.join(r, str(c)) for r in job["roots"]] for c in (True, False)}
+        cks = {c: Checkpointer(roots[c], mode="sync", check_replicated=c) for c in (True, False)}
+        times: dict[bool, list[float]] = {True: [], False: []}
+        hashing: list[float] = []
+        for i in range(job["rounds"]):
+            for c in ((True, False) if i % 2 == 0 else (False, True)):
+                if rank == 0:
+                    _clear(roots[c])
+                dist.barrier()
+                t0 = time.perf_counter()
+                m = cks[c].save(i, state).wait()
+                dist.barrier()
+                times[c].append(time.perf_counter() - t0)
+                if c:
+                    hashing.append(m.replica_check_s)
+        for ck in cks.values():
+            ck.close()
+        if rank == 0:
+            results.put((times, hashing))
+    finally:
+        dist.destroy_process_group()
+
+
+def _multi(world: int, job: dict, worker: Any = _worker) -> Any:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     init = f"file://{tempfile.mktemp(prefix='fastpersist-rdv-')}"
-    mp.start_processes(_worker, args=(world, init, job, results), nprocs=world, start_method="spawn")
+    mp.start_processes(worker, args=(world, init, job, results), nprocs=world, start_method="spawn")
     return results.get(timeout=5)
 
 
@@ -212,6 +246,25 @@ def part_load(args: argparse.Namespace) -> None:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def part_replicas(args: argparse.Namespace) -> None:
+    nbytes = tensor_bytes(gpt_state(args.gib, seed=1))
+    print(f"\n## Cost of the replicated-state check (gloo; state {nbytes / 2**30:.2f} GiB on every rank; seconds "
+          "per durable checkpoint, median [min-max]; with and without alternating)\n")
+    print("| medium | ranks | with check | without | throughput with / without | hashing per rank (beside the writes) |")
+    print("|---|---|---|---|---|---|")
+    for medium, parent in [("disk (ext4, O_DIRECT)", args.dir), ("tmpfs", "/dev/shm")]:
+        base = tempfile.mkdtemp(prefix="fp-replicas-", dir=parent)
+        try:
+            for world in (2, 4):
+                times, hashing = _multi(world, {"gib": args.gib, "roots": [os.path.join(base, "root0")],
+                                                "rounds": args.rounds}, _replica_worker)
+                ratio = statistics.median(times[False]) / statistics.median(times[True])
+                print(f"| {medium} | {world} | {_median(times[True])} | {_median(times[False])} | {ratio:.3f} | "
+                      f"{_median([h * 1e3 for h in hashing])} ms |", flush=True)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=0.25, help="state size in GiB")
@@ -222,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
     print(f"# fastpersist parallel benchmark: {cpu} cores, torch {torch.__version__}, python {sys.version.split()[0]}")
-    parts = {"scaling": part_scaling, "ranks": part_ranks, "load": part_load}
+    parts = {"scaling": part_scaling, "ranks": part_ranks, "load": part_load, "replicas": part_replicas}
     for name in args.parts.split(","):
         parts[name](args)
     return 0

@@ -11,13 +11,15 @@ import threading
 import time
 
 import pytest
+from helpers import HeldBackend
+from helpers import states_equal as _same
 import torch
 
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.cli.demo import crash_and_resume
 from fastpersist.io.backend import FileBackend
-from fastpersist.retention import Retention
+from fastpersist.timeline import Commit, Retention
 from fastpersist.state import RNGState
 
 MODES = ["sync", "snapshot", "overlap"]
@@ -61,16 +63,6 @@ def _snapshot(model, opt, sched) -> dict:
                           "rng": torch.get_rng_state(), "py": random.getstate()})
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget", [2 << 30, 4096], ids=["in-budget", "over-budget"])
 def test_checkpoint_is_the_state_at_save_time(tmp_path, small_io, mode, budget):
@@ -101,19 +93,22 @@ def test_checkpoint_is_the_state_at_save_time(tmp_path, small_io, mode, budget):
 def test_guarded_step_waits_for_the_write(tmp_path, small_io):
     """optimizer.step() after save() in overlap mode waits until the live tensors are written."""
     model, opt, sched, step = _training()
-    backend = Slow(0.05)  # a few requests of 64 KiB, each delayed: the write takes > 0.2 s
+    backend = HeldBackend(hold="step-00000001")  # the data writes wait until the test releases them
     ck = Checkpointer(str(tmp_path / "ck"), mode="overlap", backend=backend, config=small_io)
     ck.protect(opt)
     expected = _snapshot(model, opt, sched)
     handle = ck.save(1, {"model": model, "optim": opt})
     assert handle.metrics.bytes_copied < 4096  # only the BatchNorm buffers were copied
-    assert not handle.done()
-    t0 = time.perf_counter()
-    step()  # the guarded optimizer step must wait for the write
-    waited = time.perf_counter() - t0
-    assert handle._data_written.is_set() and waited > 0.1
+    assert backend.holding.wait(30) and not handle.done() and not handle.staged.done()
+    stepping = threading.Thread(target=step)  # the guarded optimizer step must wait for the write
+    stepping.start()
+    stepping.join(0.3)
+    assert stepping.is_alive(), "the optimizer step ran while its tensors were being written"
+    backend.release()
+    stepping.join(30)
+    assert not stepping.is_alive() and handle.staged.done()
     handle.wait()
-    assert handle.metrics.step_wait_s > 0.1
+    assert handle.metrics.step_wait_s > 0.2
     got = Checkpointer(str(tmp_path / "ck")).load(1)
     assert _same(got["model"], expected["model"]) and _same(got["optim"], expected["optim"])
 
@@ -123,13 +118,16 @@ def test_without_the_guard_the_checkpoint_would_be_torn(tmp_path, small_io):
     checkpoint that is not the state at save() (so the guard is what makes it right). The
     checksums, computed as bytes pass through the writer, usually catch the tearing on load."""
     model, opt, sched, step = _training()
-    ck = Checkpointer(str(tmp_path / "ck"), mode="overlap", backend=Slow(0.05), config=small_io)
+    backend = HeldBackend(hold="step-00000001")
+    ck = Checkpointer(str(tmp_path / "ck"), mode="overlap", backend=backend, config=small_io)
     ck.protect(opt)
     for h in ck._hooks:
         h.remove()
     expected = _snapshot(model, opt, sched)
     handle = ck.save(1, {"model": model, "optim": opt})
-    step()
+    assert backend.holding.wait(30)
+    step()  # unguarded: runs while the write is held open
+    backend.release()
     handle.wait()
     try:
         got = Checkpointer(str(tmp_path / "ck")).load(1)
@@ -184,13 +182,18 @@ def test_retention_keeps_in_flight_and_latest(tmp_path, small_io):
     assert [i.step for i in ck.list()] == [3]
 
 
+def _commits(*steps: int) -> list[Commit]:
+    """Commits of ``steps`` in this order (sequence 1, 2, ...)."""
+    return [Commit(s, i + 1, 0.0) for i, s in enumerate(steps)]
+
+
 def test_retention_policy():
     r = Retention(keep_last=2, keep_every=10)
-    assert r.to_delete([1, 2, 3, 10, 11, 12], latest=12) == [1, 2, 3]  # 10: every 10th; 11, 12: last 2
-    assert r.to_delete([1, 2, 3, 10, 11, 12, 13], latest=13) == [1, 2, 3, 11]
-    assert r.to_delete([1, 2, 3], latest=1, protected=[2]) == []  # latest and in-flight survive
-    assert Retention().to_delete([1, 2, 3], latest=3) == []
-    with pytest.raises(fp.CheckpointError):
+    assert r.to_delete(_commits(1, 2, 3, 10, 11, 12)) == [1, 2, 3]  # 10: every 10th; 11, 12: last 2
+    assert r.to_delete(_commits(1, 2, 3, 10, 11, 12, 13)) == [1, 2, 3, 11]
+    assert Retention(keep_last=1).to_delete(_commits(1, 2, 3), protected=[2]) == [1]  # in flight survives
+    assert Retention().to_delete(_commits(1, 2, 3)) == []
+    with pytest.raises(ValueError, match="keep"):
         Retention(keep_last=0)
 
 
@@ -209,7 +212,9 @@ def test_background_error_surfaces_everywhere(tmp_path, small_io):
     assert isinstance(h.exception(), fp.CheckpointWriteError)
     backend.fail = None
     with pytest.raises(fp.CheckpointWriteError, match="injected EIO"):
-        ck.save(4, {"model": model})
+        ck.save(4, {"model": model})  # raises step 3's failure, after queueing step 4 (ranks stay in step)
+    ck.wait()
+    assert ck.latest_step() == 4
     # from the guarded optimizer step
     backend.fail = OSError(errno.EIO, "injected EIO again")
     h = ck.save(5, {"model": model, "optim": opt})
@@ -219,7 +224,7 @@ def test_background_error_surfaces_everywhere(tmp_path, small_io):
     backend.fail = None
     step()  # reported once: training can go on
     ck.close()
-    assert ck.latest_step() == 1 and [i.step for i in ck.list()] == [1]
+    assert ck.latest_step() == 4 and [i.step for i in ck.list()] == [1, 4]
 
 
 def test_full_disk_in_the_background(tmp_path, small_fs):

@@ -12,6 +12,7 @@ import os
 import traceback
 
 import pytest
+from helpers import states_equal as _equal
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -35,16 +36,6 @@ def replicated(seed: int) -> dict:
 def per_rank(seed: int, rank: int) -> dict:
     g = torch.Generator().manual_seed(seed * 100 + rank)
     return {"shard": torch.randn(10_000 + 4097 * rank, generator=g), "rank": rank}
-
-
-def _equal(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 class FailOnRank(FileBackend):

@@ -12,6 +12,7 @@ import os
 import time
 
 import pytest
+from helpers import states_equal as _equal
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -36,16 +37,6 @@ CASES = {
 def state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(100_000, generator=g), "b": [torch.randn(7, generator=g) for _ in range(10)], "step": step}
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _only_committed_left(roots: list[str]) -> None:
@@ -92,8 +83,8 @@ def test_real_full_disk(small_fs, mode):
 def test_root_turns_read_only(remountable_fs, mode):
     with Checkpointer([remountable_fs], mode=mode) as ck:
         ck.save(1, state(1)).wait()
+    ck = Checkpointer([remountable_fs], mode=mode)  # the root turns read-only under a running job
     remount(remountable_fs, "ro")  # (a file open for writing, like the root's lock, would refuse it)
-    ck = Checkpointer([remountable_fs], mode=mode)
     try:
         with pytest.raises(fp.CheckpointWriteError, match="Read-only file system"):
             ck.save(2, state(2)).wait()

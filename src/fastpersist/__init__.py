@@ -1,27 +1,33 @@
 """fastpersist: checkpoint PyTorch training every iteration without slowing it down."""
 
-from fastpersist.checkpointer import Checkpointer, CheckpointInfo, list_checkpoints, load_checkpoint
+from fastpersist.checkpointer import Checkpointer
 from fastpersist.config import IOConfig, configure, get_config
-from fastpersist.dist import DistributedCheckpointError
 from fastpersist.errors import (
+    CheckpointerClosedError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointReadError,
     CheckpointWriteError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
+    ReplicaMismatchError,
     UnsaveableObjectError,
     UnsupportedFormatError,
+    UnsupportedTorchError,
 )
 from fastpersist.handle import SaveHandle, SaveMetrics
 from fastpersist.single_file import load, save
 from fastpersist.state import RNGState
+from fastpersist.view import CheckpointInfo, CheckpointView, list_checkpoints, load_checkpoint, open
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointView",
+    "CheckpointerClosedError",
     "CheckpointNotFoundError",
     "CheckpointReadError",
     "CheckpointWriteError",
@@ -31,14 +37,17 @@ __all__ = [
     "DistributedCheckpointError",
     "IOConfig",
     "RNGState",
+    "ReplicaMismatchError",
     "SaveHandle",
     "SaveMetrics",
     "UnsaveableObjectError",
     "UnsupportedFormatError",
+    "UnsupportedTorchError",
     "configure",
     "get_config",
     "list_checkpoints",
     "load",
     "load_checkpoint",
+    "open",
     "save",
 ]

@@ -18,12 +18,12 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastpersist.commit import TEMP_MARKER, discard, temp_path_for
+from fastpersist import timeline
+from fastpersist.commit import TEMP_MARKER, temp_path_for
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
@@ -102,21 +102,61 @@ def read_manifest(step_path: str) -> mf.Manifest:
     return mf.parse(path, raw)
 
 
-def read_latest(root: str) -> int | None:
-    """The step ``latest`` names, if it names a committed checkpoint; else the highest one."""
+def _manifest_mtime(step_path: str) -> int | None:
+    try:
+        return os.stat(os.path.join(step_path, mf.MANIFEST_NAME)).st_mtime_ns
+    except OSError:
+        return None
+
+
+def commits(root: str, entries: Sequence[Entry] | None = None) -> list[timeline.Commit]:
+    """The committed checkpoints among ``entries`` (default: all in ``root``), with their
+    commit order; damaged manifests are skipped with a warning."""
+    out = []
+    for e in entries if entries is not None else scan(root):
+        if not e.committed:
+            continue
+        try:
+            m = read_manifest(e.path)
+        except CheckpointError as err:
+            logger.warning("%s", err)
+            continue
+        out.append(timeline.Commit(e.step, m.sequence, m.created))
+    return out
+
+
+def _read_hint(root: str) -> int | None:
+    """The step the ``latest`` pointer names, if it is a small regular file naming one."""
     path = os.path.join(root, LATEST)
     try:
-        step = parse_step_dir(read_small_file(path, MAX_LATEST_BYTES, "latest pointer").decode("ascii").strip())
+        raw = read_small_file(path, MAX_LATEST_BYTES, "latest pointer")
+        return parse_step_dir(raw.decode("ascii").strip())
     except CheckpointNotFoundError:
-        step = None
+        return None
     except (CheckpointError, UnicodeDecodeError) as e:  # damaged: fall back, but say so
-        logger.warning("fastpersist: ignoring %s: %s", path, e)
-        step = None
-    if step is not None and not os.path.islink(os.path.join(root, step_dir(step))) and _is_regular(
-            os.path.join(root, step_dir(step), mf.MANIFEST_NAME)):
-        return step
-    committed = [e.step for e in scan(root) if e.committed and _is_regular(os.path.join(e.path, mf.MANIFEST_NAME))]
-    return committed[-1] if committed else None
+        logger.warning("ignoring %s: %s", path, e)
+        return None
+
+
+def read_latest(root: str) -> int | None:
+    """The most recently committed step (not the largest: see :mod:`fastpersist.timeline`).
+
+    ``latest`` names it after every commit; a crash between a commit and the pointer's update
+    leaves it one behind, so it is trusted only if it names a committed checkpoint whose
+    manifest is at least as new as every other one (one stat per checkpoint); otherwise the
+    manifests decide by their commit sequence. The pointer is read without blocking and only
+    if it is a small regular file; a checkpoint counts only if its manifest is a regular file.
+    """
+    hint = _read_hint(root)
+    entries = [e for e in scan(root) if e.committed and _is_regular(os.path.join(e.path, mf.MANIFEST_NAME))]
+    by_step = {e.step: e for e in entries}
+    if hint is not None and hint in by_step:
+        hint_time = _manifest_mtime(by_step[hint].path)
+        newer = [e for e in entries if e.step != hint and (hint_time is None or (_manifest_mtime(e.path) or 0) >= hint_time)]
+        if not newer:
+            return hint
+        entries = newer + [by_step[hint]]
+    return timeline.latest(commits(root, entries))
 
 
 def write_atomic(directory: str, name: str, data: bytes, backend: FileBackend, events: bool = False) -> None:
@@ -135,75 +175,97 @@ def write_atomic(directory: str, name: str, data: bytes, backend: FileBackend, e
             backend.event("after-rename")
     except BaseException:
         with contextlib.suppress(OSError):  # keep the original error
-            discard(temp)
+            if os.path.lexists(temp):
+                backend.unlink(temp)
         raise
     backend.fsync_dir(directory)
 
 
-def remove_checkpoint(roots: Sequence[str], step: int, backend: FileBackend) -> None:
-    """Delete a checkpoint: first its manifest (so it stops being loadable), then its files."""
+def remove_checkpoint(roots: Sequence[str], step: int, backend: FileBackend) -> bool:
+    """Delete a checkpoint: first its manifest (so it stops being loadable), then its files.
+
+    Best effort: a failure is logged, never raised. Returns False if the manifest could not be
+    removed (the checkpoint is then untouched and still loadable)."""
     name = step_dir(step)
     first = os.path.join(roots[0], name)
     manifest = os.path.join(first, mf.MANIFEST_NAME)
-    if os.path.exists(manifest):
-        os.unlink(manifest)
-        backend.fsync_dir(first)
+    try:
+        if os.path.lexists(manifest):
+            backend.unlink(manifest)
+            backend.fsync_dir(first)
+    except OSError as e:
+        logger.warning("could not delete checkpoint step %d (%s: %s); it stays committed", step, manifest,
+                       e.strerror or e)
+        return False
     for root in roots:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        d = os.path.join(root, name)
+        try:
+            if os.path.lexists(d):
+                backend.rmtree(d, lambda p, e: logger.warning("could not remove %s: %s", p, e.strerror or e))
+        except OSError as e:  # no longer committed: what is left is cleaned at the next start
+            logger.warning("could not remove %s: %s", d, e.strerror or e)
+    return True
 
 
-def remove_files(roots: Sequence[str], step: int, prefix: str, keep: set[tuple[int, str]] | None = None,
-                 prune: bool = False) -> None:
+def remove_files(roots: Sequence[str], step: int, prefix: str, backend: FileBackend,
+                 keep: set[tuple[int, str]] | None = None, prune: bool = False) -> None:
     """Remove files of one checkpoint whose name starts with ``prefix`` (best effort); with
     ``prune``, also the checkpoint's directories that are left empty."""
     name = step_dir(step)
     for i, root in enumerate(roots):
         d = os.path.join(root, name)
         try:
-            names = os.listdir(d)
+            names = backend.listdir(d)
         except OSError:
             continue
         for f in names:
             if f.startswith(prefix) and f != mf.MANIFEST_NAME and (keep is None or (i, f) not in keep):
                 try:
-                    os.unlink(os.path.join(d, f))
+                    backend.unlink(os.path.join(d, f))
                 except OSError as e:
-                    logger.warning("fastpersist: could not remove %s: %s", os.path.join(d, f), e)
+                    logger.warning("could not remove %s: %s", os.path.join(d, f), e.strerror or e)
         if prune:
             try:
-                os.rmdir(d)  # only succeeds when empty: never removes another writer's files
+                backend.rmdir(d)  # only succeeds when empty: never removes another writer's files
             except OSError:
                 pass
 
 
-def clean_incomplete(roots: Sequence[str]) -> list[str]:
+def clean_incomplete(roots: Sequence[str], backend: FileBackend) -> list[str]:
     """Remove what a crashed run left: checkpoint directories without a committed manifest
     (in every root) and temporary files of interrupted atomic writes. Returns what was removed.
 
-    Only call this when no save of this job can be running (the Checkpointer does it at
-    start-up, on the coordinator, before any save).
+    Only call this when no save of this job can be running (the Checkpointer does it under the
+    root lock, before its first save). Failures are logged, never raised.
     """
-    removed = []
+    removed: list[str] = []
+
+    def warn(path: str, e: OSError) -> None:
+        logger.warning("could not remove %s: %s", path, e.strerror or e)
+
     committed = {e.step for e in scan(roots[0]) if e.committed}
     for root in roots:
         try:
-            names = os.listdir(root)
+            names = backend.listdir(root)
         except OSError:
             continue
         for name in names:
             path = os.path.join(root, name)
             step = parse_step_dir(name)
-            if step is not None and step not in committed and os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-            elif step is not None and os.path.isdir(path):
-                for f in os.listdir(path):
-                    if TEMP_SUFFIX in f:
-                        os.unlink(os.path.join(path, f))
-                        removed.append(os.path.join(path, f))
-            elif TEMP_SUFFIX in name:
-                os.unlink(path)
-                removed.append(path)
+            try:
+                if step is not None and step not in committed and os.path.isdir(path):
+                    backend.rmtree(path, warn)
+                    removed.append(path)
+                elif step is not None and os.path.isdir(path):
+                    for f in backend.listdir(path):
+                        if TEMP_SUFFIX in f:
+                            backend.unlink(os.path.join(path, f))
+                            removed.append(os.path.join(path, f))
+                elif TEMP_SUFFIX in name:
+                    backend.unlink(path)
+                    removed.append(path)
+            except OSError as e:
+                warn(path, e)
     if removed:
-        logger.info("fastpersist: removed %d leftovers of an interrupted run: %s", len(removed), ", ".join(removed[:5]))
+        logger.info("removed %d leftovers of an interrupted run: %s", len(removed), ", ".join(removed[:5]))
     return removed

@@ -15,16 +15,25 @@ If step 2 or 3 fails anywhere, no manifest exists, ``latest`` is unchanged, and 
 the files it wrote for this save id. Loading needs no process group and no particular world
 size: every extent is read straight into the destination buffer from whichever file holds it.
 
-``save()`` itself only captures the state (stage.py: copies into the snapshot arena, guarded
-tensors left live in overlap mode) and queues the job; one worker thread runs the protocol for
-each job in order, so every rank issues the same collectives in the same order. In ``sync``
-mode, or when the copies would exceed the arena's budget, the protocol runs inside ``save()``.
+One save driver: ``save()`` only captures the state (stage.py: copies into the snapshot arena,
+guarded tensors left live in overlap mode) and queues the job; one worker thread runs the
+protocol for every job, in ``save()`` order, whatever the mode. In ``sync`` mode, or when the
+copies would exceed the arena's budget, ``save()`` queues the job with the state left live and
+waits for its commit. So commit order equals ``save()`` order on every rank, ``latest`` never
+moves back to an older commit than one already acknowledged, and one thread issues the
+protocol's collectives.
+
+Before the commit, the ranks also agree that the replicated state is replicated: each rank
+hashes the replicated bytes it holds (in a thread, while its writes run) and a difference
+fails the save on every rank, naming the first differing tensor (``check_replicated``).
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import math
 import os
 import queue
 import secrets
@@ -32,46 +41,37 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastpersist import catalog, sharded
+from fastpersist import catalog, sharded, timeline
 from fastpersist.config import IOConfig, get_config
 from fastpersist.dist import Comm, agree, default_comm, host_name, writer_ranks
-from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
+from fastpersist.errors import CheckpointerClosedError, CheckpointError, CheckpointWriteError
 from fastpersist.format import manifest as mf
-from fastpersist.handle import SaveHandle, SaveMetrics
+from fastpersist.handle import History, SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
 from fastpersist.lock import RootLock
 from fastpersist.plan import Extent, plan, plan_digest
-from fastpersist.retention import Retention
+from fastpersist.replicas import ReplicaDigests, check_replicas
+from fastpersist.roots import check_roots
 from fastpersist.stage import Arena, capture, capture_storages, copy_bytes, guarded_storages, scan
-from fastpersist.state import restore_into, to_saveable
+from fastpersist.state import to_saveable
+from fastpersist.timeline import Retention
+from fastpersist.view import CheckpointInfo, CheckpointView, Roots, list_checkpoints, load_checkpoint, root_list
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One checkpoint found in the roots (see :meth:`Checkpointer.list`)."""
-
-    step: int
-    path: str
-    committed: bool
-    latest: bool = False
-    nbytes: int = 0
-    files: int = 0
-    created: float = 0.0
-    world_size: int = 0
-    objects: tuple[str, ...] = field(default_factory=tuple)
+__all__ = ["CheckpointInfo", "Checkpointer", "list_checkpoints", "load_checkpoint"]
 
 
 @dataclass
 class _Written:
     reports: list[sharded.FileReport]
     objects: dict[str, tuple[list[str], list[int]]]  # objects whose skeleton this rank wrote
+    digests: list[int] | None = None  # per replicated storage, for the replica check
 
 
 MODES = ("sync", "snapshot", "overlap")
@@ -88,80 +88,137 @@ class _Job:
     started: float
     uses_arena: bool = False
     live: bool = False  # some tensors are written from live (guarded) memory
+    inline: bool = False  # save() waits for the commit: the state was not copied
+    number: int = 0  # this Checkpointer's n-th queued save (the same on every rank)
     prepared: tuple[sharded.Prepared, sharded.Prepared | None] | None = None  # pickled at save time
 
 
 class Checkpointer:
     """Save and load sharded checkpoints under one or more roots (one per SSD).
 
-    ``roots``: directories (one path or a list), the same list on every rank; each rank writes
-    its share to its node's roots. ``mode``: ``"snapshot"`` (default: copy the state into a
-    bounded host arena inside save(), write in the background), ``"overlap"`` (the FastPersist
-    mode: tensors of protected optimizers are written from live memory while the next
-    iteration runs, see :meth:`protect`; everything else is copied), or ``"sync"`` (save()
-    returns when committed). ``snapshot_bytes``: the arena's budget; a state larger than it is
-    written synchronously through the fixed staging pool instead of growing memory.
-    ``max_in_flight`` checkpoints may be pending at once; beyond that save() waits
-    (``when_busy="wait"``) or skips the checkpoint (``"skip"``). ``keep`` / ``keep_every``:
-    retention (last K committed, plus every M-th step). ``writers``: who writes replicated
-    state, ``"all"`` ranks (default), ``"node"``, ``N`` per node or a list of ranks. ``comm``
-    and ``backend`` are the coordination and file seams. Every rank must construct the
-    Checkpointer (it creates its own gloo groups when torch.distributed is initialised).
+    Every rank of a job constructs the Checkpointer with the same arguments (it creates its
+    own gloo groups when torch.distributed is initialised) and calls :meth:`save` with the
+    same steps in the same order. Nothing is written until the first save.
+
+    Args:
+        roots: one directory or a list (ideally one per SSD), the same on every rank; distinct
+            directories, none inside another. Each rank writes its share to its node's roots.
+        mode: ``"snapshot"`` (default: save() copies the state into a bounded host arena and
+            the write runs in the background), ``"overlap"`` (the FastPersist mode: tensors of
+            protected optimizers are written from live memory while the next iteration runs,
+            see :meth:`protect`; everything else is copied), or ``"sync"`` (save() returns
+            when the checkpoint is committed).
+        keep: keep the last ``keep`` checkpoints of the live timeline (None: all).
+        keep_every: also keep every live step that is a multiple of this.
+        abandoned: what retention does with checkpoints of an abandoned timeline (after a
+            resume from an older step): ``"keep"`` (default) or ``"delete"``.
+        max_in_flight: checkpoints pending at once; beyond that save() waits or skips.
+        when_busy: ``"wait"`` (default) or ``"skip"`` (the checkpoint is not taken; every
+            rank decides alike).
+        snapshot_bytes: the arena's budget; a state whose copies would not fit is written
+            from live memory, save() waiting for its commit, instead of growing memory.
+        writers: who writes replicated state: ``"all"`` ranks (default), ``"node"``, ``N``
+            per node, or a list of ranks.
+        check_replicated: before committing, check that ``state`` holds the same bytes on
+            every rank (default True; costs one hash of the state per rank, overlapped with
+            the writes). Turn off only for jobs that guarantee replication.
+        comm: the coordination seam (default: a private gloo group, or none at world size 1).
+        backend: the file seam (default: real files); see :mod:`fastpersist.faults`.
+        config: I/O settings (default: the process-wide configuration).
+        timeout_s: how long a rank waits for the others in a collective.
+        clean_start: remove incomplete checkpoints left by a crashed run at the first save.
+        history: how many recent saves' metrics :attr:`history` keeps.
+
+    Raises:
+        ValueError, TypeError: an argument is wrong (named in the message).
+        CheckpointWriteError: a root is a file, not writable or cannot be created.
+
+    Example::
+
+        ckpt = fastpersist.Checkpointer(["/nvme0/run1", "/nvme1/run1"], keep=3)
+        for step in range(steps):
+            train_one_step()
+            ckpt.save(step, {"model": model, "optim": optimizer, "step": step})
+        ckpt.close()
     """
 
     def __init__(
         self,
-        roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        roots: Roots,
         *,
         mode: str = "snapshot",
         keep: int | None = None,
         keep_every: int | None = None,
+        abandoned: str = "keep",
         max_in_flight: int = 1,
         when_busy: str = "wait",
         snapshot_bytes: int = 2 << 30,
         writers: str | int | Sequence[int] = "all",
+        check_replicated: bool = True,
         comm: Comm | None = None,
         backend: FileBackend | None = None,
         config: IOConfig | None = None,
         timeout_s: float = 600.0,
         clean_start: bool = True,
+        history: int = 1000,
     ) -> None:
-        paths = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
-        if not paths:
-            raise CheckpointError("a Checkpointer needs at least one root directory")
         if mode not in MODES:
-            raise CheckpointError(f"mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if when_busy not in _WHEN_BUSY:
-            raise CheckpointError(f"when_busy must be one of {_WHEN_BUSY}, got {when_busy!r}")
-        if max_in_flight < 1:
-            raise CheckpointError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        self.roots = [os.path.abspath(os.fspath(r)) for r in paths]
+            raise ValueError(f"when_busy must be one of {_WHEN_BUSY}, got {when_busy!r}")
+        _positive_int("max_in_flight", max_in_flight)
+        _positive_int("snapshot_bytes", snapshot_bytes, minimum=0)
+        _positive_int("history", history)
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        paths = root_list(roots)
+        self.comm = comm if comm is not None else default_comm(timeout_s)
+        self.roots = self._check_roots_everywhere(paths)
         self.mode = mode
-        self.retention = Retention(keep, keep_every)
+        self.retention = Retention(keep, keep_every, abandoned)
         self.max_in_flight = max_in_flight
         self.when_busy = when_busy
-        self.comm = comm if comm is not None else default_comm(timeout_s)
+        self.check_replicated = bool(check_replicated)
         self.backend = backend or FileBackend()
         self._config = config
+        self._view = CheckpointView(self.roots, config=config)
         self._arena = Arena(snapshot_bytes)
         self._protected: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a job leaves the in-flight list
+        self._queued = 0
         self._in_flight: list[_Job] = []
         self._failed: list[SaveHandle] = []
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker: threading.Thread | None = None
-        self.history: list[SaveMetrics] = []  # metrics of every save, in order
-        hosts = self.comm.all_gather(host_name())
-        self.writer_ranks = writer_ranks(writers, hosts)
-        for root in self.roots:
-            try:
-                self.backend.makedirs(root)
-            except OSError as e:
-                raise CheckpointWriteError(f"cannot create checkpoint root {root}: {e.strerror or e}") from e
+        self._closed = False
+        self._broken: str | None = None  # set on every rank alike when the ranks fell out of step
+        self._commits: dict[int, timeline.Commit] | None = None  # coordinator: read at the first save
+        self.history = History(history)  # metrics of recent saves, and totals
+        self.writer_ranks = writer_ranks(writers, self._hosts)
         self._clean_start = clean_start
-        self._lock_file = RootLock(self.roots[0])
-        atexit.register(_finish_at_exit, weakref.ref(self))
+        self._lock_file = RootLock(self.roots[0], self.backend)
+        _at_exit(_finish_at_exit, weakref.ref(self))
+
+    def _check_roots_everywhere(self, paths: list[str]) -> list[str]:
+        """Check the roots on every rank; if any rank finds them unusable, every rank raises
+        (nobody is left waiting in a collective the others skipped). Also learns the hosts."""
+        error: Exception | None = None
+        roots = paths
+        try:
+            roots = check_roots(paths)
+        except (ValueError, CheckpointWriteError) as e:
+            error = e
+        outcomes = self.comm.all_gather((host_name(), error is None))
+        self._hosts = [h for h, _ in outcomes]
+        if error is not None:
+            raise error
+        bad = [r for r, (_, ok) in enumerate(outcomes) if not ok]
+        if bad:
+            raise CheckpointWriteError(f"the checkpoint roots {paths} cannot be used on rank(s) {bad}; see the "
+                                       "error raised there")
+        return roots
 
     @property
     def config(self) -> IOConfig:
@@ -205,7 +262,7 @@ class Checkpointer:
             jobs = [j for j in self._in_flight if j.live]
         for job in jobs:
             t0 = time.perf_counter()
-            job.handle._wait_data_written()
+            job.handle.staged.result()
             job.handle.metrics.step_wait_s += time.perf_counter() - t0
         self._raise_failed()
 
@@ -216,38 +273,66 @@ class Checkpointer:
              metadata: Mapping[str, Any] | None = None) -> SaveHandle:
         """Checkpoint ``state`` as step ``step`` (call on every rank); returns a handle.
 
-        ``state`` must be the same on every rank (replicated: model weights, the optimizer
-        state of a data-parallel job, the step); it is written once, split over all writers.
-        Pass what differs per rank (its optimizer shard, its RNG state) as ``rank_state``.
-        Stateful objects are saved through ``state_dict()``. ``metadata`` (JSON) goes into the
-        manifest. What is saved is the state at this call, bit for bit, whatever training does
-        next. An earlier checkpoint's background failure is raised here (once).
+        Args:
+            step: a non-negative integer. A step not greater than the live timeline's last
+                one starts a new timeline (see :mod:`fastpersist.timeline`); an existing
+                checkpoint of the same step is replaced.
+            state: what to save, the same on every rank (replicated: model weights, the
+                optimizer state of a data-parallel job, the step); it is written once, split
+                over all writers. Stateful objects are saved through ``state_dict()``.
+            rank_state: what differs per rank (its optimizer shard, its RNG state), written
+                by that rank alone.
+            metadata: a JSON object stored in the manifest (see :meth:`metadata`).
+
+        Returns:
+            A :class:`SaveHandle`: a future of the commit; ``handle.staged`` is the moment
+            training may modify the saved tensors. What is saved is the state at this call,
+            bit for bit, whatever training does next.
+
+        Raises:
+            TypeError, ValueError: ``step`` or ``metadata`` is wrong.
+            CheckpointError: an earlier checkpoint failed in the background (raised once),
+                or, when save() waits for the commit (sync mode, over the snapshot budget),
+                this one failed.
+            CheckpointerClosedError: after :meth:`close`.
         """
         t0 = time.perf_counter()
-        catalog.step_dir(step)  # validates the step before anything else
-        self._raise_failed()
+        if self._closed:
+            raise CheckpointerClosedError(f"save(step={step!r}) after close(): this Checkpointer takes no more saves")
+        if self._broken is not None:
+            raise CheckpointWriteError(self._broken)
+        _check_step(step)
+        meta = _check_metadata(metadata)
         handle = SaveHandle(SaveMetrics(step, self.mode))
         if not self._make_room(handle):
+            self._raise_failed()
             return handle
         saveable = to_saveable(state)
         own = to_saveable(rank_state) if rank_state is not None else None
-        job = _Job(step, saveable, own, metadata, handle, t0)
-        if self.mode == "sync" or not self._stage(job):
-            try:
-                self._run(job)
-            except BaseException as e:
-                handle._finish(e)
-                handle.reported = True
-                raise
-            handle.metrics.save_call_s = time.perf_counter() - t0
-            handle._finish()
-            self._log(handle.metrics)
-            return handle
+        job = _Job(step, saveable, own, meta, handle, t0)
+        job.inline = self.mode == "sync" or not self._stage(job)
+        if not job.inline and not job.live:
+            handle._set_staged()
         with self._lock:
             self._in_flight.append(job)
+            self._queued += 1
+            job.number = self._queued
         self._ensure_worker()
-        handle.metrics.save_call_s = time.perf_counter() - t0
+        # Queued on every rank alike (what a rank raises below differs with timing, so it must
+        # come after the job is queued: otherwise the ranks' queues would fall out of step).
         self._queue.put(job)  # the worker starts now; nothing below may take time
+        if not job.inline:
+            handle.metrics.save_call_s = time.perf_counter() - t0
+            self._raise_failed()
+            return handle
+        handle.metrics.inline = True
+        try:
+            handle.result()  # every earlier save first, then this one: one driver, one order
+        finally:
+            handle.metrics.save_call_s = time.perf_counter() - t0
+            if handle.exception() is None:
+                self._log(handle.metrics)
+        self._raise_failed()
         return handle
 
     def _make_room(self, handle: SaveHandle) -> bool:
@@ -262,16 +347,12 @@ class Checkpointer:
             handle.metrics.skipped = True
             handle._finish()
             self.history.append(handle.metrics)
-            logger.info("fastpersist: checkpoint step %d skipped: %d still in flight", handle.step, self.max_in_flight)
+            logger.info("checkpoint step %d skipped: %d still in flight", handle.step, self.max_in_flight)
             return False
         handle.metrics.waited_for_previous = True
-        while True:
-            with self._lock:
-                if len(self._in_flight) < self.max_in_flight:
-                    return True
-                oldest = self._in_flight[0].handle
-            oldest._done.wait()
-            self._raise_failed()
+        with self._room:
+            self._room.wait_for(lambda: len(self._in_flight) < self.max_in_flight)
+        return True
 
     def _stage(self, job: _Job) -> bool:
         """Make the job independent of training from now on, except for guarded tensors.
@@ -293,8 +374,9 @@ class Checkpointer:
             storages = [s for _, found in scans for s in found]
         need = copy_bytes(storages, live)
         if not self._arena.fits(need):
-            logger.info("fastpersist: checkpoint step %d needs %.1f MB of snapshot memory, over the budget of "
-                        "%.1f MB: writing it now, through the staging pool", job.step, need / 1e6, self._arena.budget / 1e6)
+            logger.info("checkpoint step %d needs %.1f MiB of snapshot memory, over the budget of %.1f MiB: "
+                        "writing it from live memory, save() waits for its commit", job.step, need / 2**20,
+                        self._arena.budget / 2**20)
             return False
         arena = self._arena.take(need) if need else None
         job.uses_arena = arena is not None
@@ -337,54 +419,68 @@ class Checkpointer:
                 error = e
             finally:
                 self._release(job)
-            with self._lock:  # out of the in-flight list before anyone waiting on the handle wakes
-                self._in_flight.remove(job)
-                if error is not None:
+            if error is None and not job.inline:
+                self._log(job.handle.metrics)  # an inline job is logged by save(), which timed it
+            with self._lock:
+                if error is not None and not job.inline:
                     self._failed.append(job.handle)
-            job.handle._finish(error)
-            if error is None:
-                self._log(job.handle.metrics)
-            else:
-                logger.error("fastpersist: checkpoint step %d failed: %s", job.step, error)
+            # A failure is raised to the caller (by wait(), the next save(), a guarded step or
+            # close()), never also logged at ERROR; only one nobody collects is (at exit).
+            logger.debug("checkpoint step %d finished: %s", job.step, "ok" if error is None else error)
+            job.handle._finish(error)  # done (and its callbacks run) before it leaves the in-flight list
+            with self._room:
+                self._in_flight.remove(job)
+                self._room.notify_all()
 
     def _raise_failed(self) -> None:
-        """Raise the first background failure not yet seen by the caller."""
+        """Raise the oldest background failure not yet seen by the caller (the others stay
+        pending, for the next call)."""
         with self._lock:
-            pending = [h for h in self._failed if not h.reported]
-            self._failed = []
-        for h in pending[1:]:
-            h.reported = True
-        if pending:
-            pending[0].reported = True
-            raise pending[0]._error  # type: ignore[misc]
+            self._failed = [h for h in self._failed if not h.reported]
+            if not self._failed:
+                return
+            first = self._failed.pop(0)
+            first.reported = True
+        raise first._error  # type: ignore[misc]
 
     def _log(self, m: SaveMetrics) -> None:
         self.history.append(m)
-        logger.info("fastpersist: checkpoint step %d committed (%s): %.1f MB in %.3f s (%.2f GB/s); training "
-                    "blocked %.1f ms (save %.1f + step %.1f); wrote %.1f MB on this rank in %.3f s",
-                    m.step, m.mode, m.bytes_total / 1e6, m.total_s, m.gbps, m.blocked_s * 1e3, m.save_call_s * 1e3,
-                    m.step_wait_s * 1e3, m.bytes_written / 1e6, m.write_s)
+        logger.info("checkpoint step %d committed (%s%s): %.1f MiB in %.3f s (%.2f GB/s); training blocked %.1f ms "
+                    "(save %.1f + step %.1f); wrote %.1f MiB on this rank in %.3f s",
+                    m.step, m.mode, ", inline" if m.inline else "", m.bytes_total / 2**20, m.total_s, m.gbps,
+                    m.blocked_s * 1e3, m.save_call_s * 1e3, m.step_wait_s * 1e3, m.bytes_written / 2**20, m.write_s)
 
     def _run(self, job: _Job) -> None:
         """The save protocol (see the module docstring); in the worker thread or inline."""
-        try:
-            if job.prepared is not None:
-                rep, own = job.prepared
-            else:
-                rep = sharded.prepare(mf.REPLICATED, job.state)
-                own = sharded.prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
-        except BaseException:
-            job.handle._data_written.set()
-            raise
         step = job.step
+        if self._broken is not None:  # no collective: the other ranks stopped too
+            job.handle._set_staged()
+            raise CheckpointWriteError(self._broken)
         slots = [(r, j) for r in self.writer_ranks for j in range(len(self.roots))]
-        digest = plan_digest(rep.sizes, len(slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
-        proposals = agree(self.comm, f"preparing checkpoint step {step}", lambda: self._prepare_step(digest))
-        differing = [r for r, (d, _) in enumerate(proposals) if d != proposals[0][0]]
+        try:
+            proposals = agree(self.comm, f"preparing checkpoint step {step}", lambda: self._prepare_step(job, slots))
+        except BaseException:
+            job.handle._set_staged()
+            raise
+        rep, own = job.prepared  # type: ignore[misc]
+        out_of_step = [r for r, p in enumerate(proposals) if p[2:] != proposals[0][2:]]
+        if out_of_step:  # every rank sees it in the same step: all stop issuing collectives
+            self._broken = (
+                f"the ranks are out of step: rank 0 is saving step {proposals[0][2]} (its save #{proposals[0][3]}) "
+                f"while rank {out_of_step[0]} is saving step {proposals[out_of_step[0]][2]} (its save "
+                f"#{proposals[out_of_step[0]][3]}). Every rank must call save() with the same steps in the same "
+                "order, and an exception raised by save() on one rank only (a bad argument) leaves that rank one "
+                "save behind; this Checkpointer takes no more saves (nothing further is committed): restart "
+                "the job's Checkpointers"
+            )
+            raise CheckpointWriteError(self._broken)
+        differing = [r for r, p in enumerate(proposals) if p[0] != proposals[0][0]]
         if differing:
             raise CheckpointWriteError(
-                f"checkpoint step {step}: the replicated state differs between ranks (ranks {differing} "
-                "disagree with rank 0 on its structure or values); pass per-rank values as rank_state"
+                f"checkpoint step {step}: the replicated state differs between ranks: ranks {differing} disagree "
+                "with rank 0 on its structure (the keys, the tensors' sizes and dtypes, or the pickled values). "
+                "`state` is written once for all ranks and must be the same on each; pass per-rank values "
+                "(an optimizer shard, ZeRO/FSDP state) as rank_state"
             )
         save_id = proposals[0][1]
         extents = plan(rep.sizes, len(slots))
@@ -394,14 +490,19 @@ class Checkpointer:
             written = agree(self.comm, f"writing checkpoint step {step}",
                             lambda: self._write(catalog.step_dir(step), save_id, job, rep, own, extents, slots))
             job.handle.metrics.write_s = time.perf_counter() - t_write
+            if self.check_replicated and self.comm.world_size > 1:
+                check_replicas(step, [w.digests for w in written], rep, job.state)
             agree(self.comm, f"committing checkpoint step {step}",
                   lambda: self._commit(step, save_id, written, job.metadata) if self.rank == 0 else None)
         except CheckpointError:
             if not self._is_committed(step, save_id):  # a failure after the commit point keeps the files
-                catalog.remove_files(self.roots, step, f"{save_id}-", prune=True)
+                catalog.remove_files(self.roots, step, f"{save_id}-", self.backend, prune=True)
             raise
         if self.rank == 0:
-            self._after_commit(step, written)
+            try:
+                self._after_commit(step, written)
+            except Exception as e:  # noqa: BLE001 - committed: a cleanup failure must not fail the save
+                logger.warning("checkpoint step %d is committed; cleaning up after it failed: %s", step, e)
         m = job.handle.metrics
         for r in written[self.rank].reports:
             m.bytes_per_root[r.root] = m.bytes_per_root.get(r.root, 0) + sum(e.nbytes for e in r.extents)
@@ -409,21 +510,37 @@ class Checkpointer:
         m.bytes_total = sum(e.nbytes for w in written for r in w.reports for e in r.extents)
         m.total_s = time.perf_counter() - job.started
 
-    def _prepare_step(self, digest: str) -> tuple[str, str]:
-        """Step 1 on this rank. The coordinator takes the root's lock on the first save and
-        then, owning the roots, removes what a crashed run left there (before anyone writes)."""
+    def _prepare_step(self, job: _Job, slots: list[tuple[int, int]]) -> tuple[str, str, int, int]:
+        """Step 1 on this rank: serialize the state (unless save() did), propose the plan's
+        digest, a save id, the step and this save's number (so ranks out of step are caught).
+        The coordinator takes the root's lock on the first save and then, owning the roots,
+        removes what a crashed run left there (before anyone writes)."""
+        if job.prepared is None:
+            rep = sharded.prepare(mf.REPLICATED, job.state)
+            own = sharded.prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
+            job.prepared = (rep, own)
+        rep = job.prepared[0]
+        digest = plan_digest(rep.sizes, len(slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
         if self.rank == 0 and not self._lock_file.held:
             self._lock_file.acquire()
             if self._clean_start:
-                catalog.clean_incomplete(self.roots)
-        return digest, secrets.token_hex(6)
+                catalog.clean_incomplete(self.roots, self.backend)
+            self._commits = {c.step: c for c in catalog.commits(self.roots[0])}
+        return digest, secrets.token_hex(6), job.step, job.number
 
     def _write(self, name: str, save_id: str, job: _Job, rep: sharded.Prepared, own: sharded.Prepared | None,
                extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
+        hashing = ReplicaDigests(rep) if self.check_replicated and self.comm.world_size > 1 else None
         try:
-            return self._write_files(name, save_id, rep, own, extents, slots)
+            written = self._write_files(name, save_id, rep, own, extents, slots)
+            if hashing is not None:
+                written.digests = hashing.result()
+                job.handle.metrics.replica_check_s = hashing.seconds
+            return written
         finally:
-            job.handle._data_written.set()  # live tensors are no longer read (written, or failed)
+            if hashing is not None:
+                hashing.join()
+            job.handle._set_staged()  # live tensors are no longer read (written, or failed)
 
     def _write_files(self, name: str, save_id: str, rep: sharded.Prepared, own: sharded.Prepared | None,
                      extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
@@ -471,18 +588,31 @@ class Checkpointer:
                 skel = next(r for r in reports if r.object == obj and r.skeleton_checksum is not None)
                 data = [(index[(r.root, r.name)], r) for r in reports if r.object == obj and r.skeleton_checksum is None]
                 objects[obj] = sharded.build_object(keys, sizes, index[(skel.root, skel.name)], skel, data)
+        commits = list((self._commits or {}).values())
+        abandoned = timeline.abandoned_by(step, commits)
         manifest = mf.Manifest(step, save_id, time.time(), self.comm.world_size, len(self.roots), files, objects,
-                               user=dict(metadata or {}))
+                               user=dict(metadata or {}), sequence=timeline.next_sequence(commits))
         step_path = os.path.join(self.roots[0], catalog.step_dir(step))
         # The commit point: the manifest is written last, after every rank's data is durable.
         catalog.write_atomic(step_path, mf.MANIFEST_NAME, manifest.to_json(), self.backend, events=True)
+        if self._commits is not None:
+            self._commits[step] = timeline.Commit(step, manifest.sequence, manifest.created)
+        if abandoned:
+            logger.warning("checkpoint step %d starts a new timeline: steps %s, committed earlier, are abandoned "
+                           "(latest is now step %d); %s", step, ", ".join(map(str, abandoned)), step,
+                           "they are kept and listed as abandoned" if self.retention.abandoned == "keep"
+                           else "retention deletes them")
         self.backend.event("before-latest")
         try:
             catalog.write_atomic(self.roots[0], catalog.LATEST, f"{catalog.step_dir(step)}\n".encode(), self.backend)
             self.backend.event("after-latest")
-        except OSError as e:  # committed anyway: readers fall back to the highest committed step
-            logger.warning("fastpersist: checkpoint step %d is committed but %s could not be updated: %s",
-                           step, os.path.join(self.roots[0], catalog.LATEST), e)
+        except OSError as e:  # committed anyway: readers find the most recent commit by its sequence
+            latest = os.path.join(self.roots[0], catalog.LATEST)
+            logger.warning("checkpoint step %d is committed but %s could not be updated: %s", step, latest, e)
+            try:  # a stale pointer must not win a tie of manifest times: remove it (best effort)
+                self.backend.unlink(latest)
+            except OSError:
+                pass
 
     def _is_committed(self, step: int, save_id: str) -> bool:
         try:
@@ -491,30 +621,30 @@ class Checkpointer:
             return False
 
     def _after_commit(self, step: int, written: list[_Written]) -> None:
-        """Coordinator: drop files of an earlier save of the same step, then apply retention."""
+        """Coordinator: drop files of an earlier save of the same step, then apply retention.
+        Deletions are best effort: a failure is logged and never fails the save."""
         keep = {(r.root, r.name) for w in written for r in w.reports}
-        catalog.remove_files(self.roots, step, "", keep=keep)
-        committed = [e.step for e in catalog.scan(self.roots[0]) if e.committed]
+        catalog.remove_files(self.roots, step, "", self.backend, keep=keep)
+        if self._commits is None:
+            return
         with self._lock:
             protected = {j.step for j in self._in_flight} | {step}
-        for old in self.retention.to_delete(committed, catalog.read_latest(self.roots[0]), protected):
-            catalog.remove_checkpoint(self.roots, old, self.backend)
+        for old in self.retention.to_delete(list(self._commits.values()), protected):
+            if catalog.remove_checkpoint(self.roots, old, self.backend):
+                self._commits.pop(old, None)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every checkpoint in flight; raises the first failure not yet raised."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = [j.handle for j in self._in_flight]
-            if not pending:
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not pending[0]._done.wait(left):
-                raise TimeoutError(f"checkpoint step {pending[0].step} is still in flight after {timeout} s")
+        with self._room:
+            if not self._room.wait_for(lambda: not self._in_flight, timeout):
+                step = self._in_flight[0].step
+                raise TimeoutError(f"checkpoint step {step} is still in flight after {timeout} s")
         self._raise_failed()
 
     def close(self) -> None:
-        """Wait for checkpoints in flight, stop the background thread, remove the guards."""
+        """Wait for checkpoints in flight, stop the background thread, remove the guards and
+        release the roots. Raises the first failure not yet raised. Idempotent."""
+        self._closed = True
         try:
             self.wait()
         finally:
@@ -535,47 +665,86 @@ class Checkpointer:
         self.close()
 
     # -----------------------------------------------------------------------------------------
-    # load
-
-    def _resolve(self, step: int | str) -> int:
-        if step == "latest":
-            found = catalog.read_latest(self.roots[0])
-            if found is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint in {self.roots[0]}")
-            return found
-        if isinstance(step, str):
-            raise CheckpointError(f"step must be an integer or 'latest', got {step!r}")
-        return step
-
-    def _open(self, step: int | str) -> tuple[list[str], mf.Manifest]:
-        s = self._resolve(step)
-        name = catalog.step_dir(s)
-        manifest = catalog.read_manifest(os.path.join(self.roots[0], name))
-        return [os.path.join(r, name) for r in self.roots], manifest
+    # load: through a read-only view (no directory created, no lock, no collective)
 
     def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
              map_location: Any = None, weights_only: bool = True, verify: bool | None = None) -> Any:
-        """Load the replicated state of a checkpoint (``"latest"`` by default), at any world size.
+        """Load the replicated state of a checkpoint; see :meth:`CheckpointView.load`."""
+        return self._view.load(step, into, map_location=map_location, weights_only=weights_only, verify=verify)
 
-        With ``into`` (a dict of the same keys as the saved state), stateful objects are
-        restored in place through ``load_state_dict``. Returns the loaded state.
-        """
-        dirs, manifest = self._open(step)
-        return _load_object(dirs, manifest, mf.REPLICATED, into, map_location, weights_only, verify, self.config)
-
-    def load_rank_state(self, step: int | str = "latest", rank: int | None = None, into: Mapping[str, Any] | None = None,
-                        *, map_location: Any = None, weights_only: bool = True, verify: bool | None = None) -> Any:
+    def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
+                        rank: int | None = None, map_location: Any = None, weights_only: bool = True,
+                        verify: bool | None = None) -> Any:
         """Load the ``rank_state`` that ``rank`` (default: this rank) saved."""
-        dirs, manifest = self._open(step)
-        name = mf.rank_object(self.rank if rank is None else rank)
-        return _load_object(dirs, manifest, name, into, map_location, weights_only, verify, self.config)
+        return self._view.load_rank_state(step, into, rank=self.rank if rank is None else rank,
+                                          map_location=map_location, weights_only=weights_only, verify=verify)
+
+    def metadata(self, step: int | str = "latest") -> dict[str, Any]:
+        """The ``metadata`` saved with ``step``."""
+        return self._view.metadata(step)
 
     def list(self) -> list[CheckpointInfo]:
-        """Every checkpoint in the first root, committed or not, oldest first."""
-        return list_checkpoints(self.roots[0])
+        """Every checkpoint in the first root, committed or not, by step."""
+        return self._view.list()
 
     def latest_step(self) -> int | None:
-        return catalog.read_latest(self.roots[0])
+        """The most recently committed step (not necessarily the largest), or None."""
+        return self._view.latest_step()
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _check_step(step: object) -> None:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an integer, got {type(step).__name__} {step!r}")
+    if step < 0:
+        raise ValueError(f"step must be non-negative, got {step}")
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A JSON-safe copy of ``metadata``, checked before any byte is written."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    bad_keys = [k for k in metadata if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"metadata keys must be strings, got {bad_keys[0]!r}")
+    try:
+        text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        bad = next((k for k, v in metadata.items() if not _json_ok(k, v)), None)
+        where = f" (key {bad!r})" if bad is not None else ""
+        raise TypeError(f"metadata must hold JSON values (str keys; str, int, finite float, bool, None, lists, "
+                        f"dicts){where}: {e}") from e
+    return dict(json.loads(text))
+
+
+def _json_ok(key: object, value: object) -> bool:
+    if not isinstance(key, str):
+        return False
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return not (isinstance(value, float) and not math.isfinite(value))
+
+
+def _at_exit(fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` when the interpreter exits, before concurrent.futures stops taking
+    work (a save in flight needs its thread pools): threading's exit hooks run in reverse
+    order of registration, before atexit's, and concurrent.futures registered its own there
+    when it was imported, before any Checkpointer existed."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every supported Python has it
+        atexit.register(fn, *args)
+        return
+    register(fn, *args)
 
 
 def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
@@ -586,50 +755,5 @@ def _finish_at_exit(ref: weakref.ref[Checkpointer]) -> None:
         return
     try:
         ck.close()
-    except Exception as e:  # noqa: BLE001 - exiting anyway; say what was lost
-        logger.error("fastpersist: a checkpoint in flight at exit failed: %s", e)
-
-
-def _load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping[str, Any] | None,
-                 map_location: Any, weights_only: bool, verify: bool | None, config: IOConfig) -> Any:
-    do_verify = config.verify if verify is None else verify
-    obj = sharded.read_object(dirs, manifest, name, map_location=map_location, weights_only=weights_only,
-                              verify=do_verify, config=config)
-    if into is not None:
-        restore_into(obj, into, dirs[0])
-    return obj
-
-
-def list_checkpoints(root: str) -> list[CheckpointInfo]:
-    """The checkpoints under ``root`` (the first root of a Checkpointer), oldest first."""
-    latest = catalog.read_latest(root)
-    out = []
-    for e in catalog.scan(root):
-        if not e.committed:
-            out.append(CheckpointInfo(e.step, e.path, False))
-            continue
-        try:
-            m = catalog.read_manifest(e.path)
-        except CheckpointError as err:
-            logger.warning("fastpersist: %s", err)
-            out.append(CheckpointInfo(e.step, e.path, False))
-            continue
-        out.append(CheckpointInfo(e.step, e.path, True, e.step == latest, m.nbytes, len(m.files), m.created,
-                                  m.world_size, tuple(sorted(m.objects))))
-    return out
-
-
-def load_checkpoint(path: str | os.PathLike[str], other_roots: Sequence[str | os.PathLike[str]] = (), *,
-                    rank: int | None = None, map_location: Any = None, weights_only: bool = True,
-                    verify: bool | None = None, config: IOConfig | None = None) -> Any:
-    """Load a checkpoint from its directory in the first root, without a Checkpointer.
-
-    ``other_roots`` are the checkpoint's other roots, in order (their directory of the same
-    name is used). ``rank`` selects a rank's own state instead of the replicated one.
-    """
-    first = os.path.abspath(os.fspath(path))
-    name = os.path.basename(first.rstrip(os.sep))
-    dirs = [first] + [os.path.join(os.path.abspath(os.fspath(r)), name) for r in other_roots]
-    manifest = catalog.read_manifest(first)
-    obj = mf.REPLICATED if rank is None else mf.rank_object(rank)
-    return _load_object(dirs, manifest, obj, None, map_location, weights_only, verify, config or get_config())
+    except Exception as e:  # noqa: BLE001 - exiting anyway; nobody else will see it: say what was lost
+        logger.error("a checkpoint in flight at exit failed: %s", e)

@@ -1,4 +1,5 @@
-"""Atomic, durable publication of files.
+"""Atomic, durable publication of files: the naming and the checks (the steps run through
+the file backend, see io/backend.py and catalog.write_atomic).
 
 A file becomes visible under its final name only once all its bytes are on stable storage:
 write under a temporary name in the same directory, fsync the file, rename over the final name,
@@ -8,12 +9,10 @@ mix, and never a half-written file under the final name.
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 
 from fastpersist.errors import CheckpointWriteError
-from fastpersist.io.files import fsync_dir
 
 TEMP_MARKER = ".fastpersist-tmp"
 
@@ -32,21 +31,3 @@ def check_directory(path: str) -> str:
     if os.path.isdir(path):
         raise CheckpointWriteError(f"cannot save {path}: it is a directory")
     return d
-
-
-def publish(temp: str, final: str) -> None:
-    """Rename the fsync'd ``temp`` over ``final`` and make the rename durable."""
-    try:
-        os.replace(temp, final)
-        fsync_dir(os.path.dirname(os.path.abspath(final)))
-    except OSError as e:
-        raise CheckpointWriteError(f"cannot publish {final}: {e.strerror or e}") from e
-
-
-def discard(temp: str) -> None:
-    """Remove a temporary file after a failed write (a missing file is fine)."""
-    try:
-        os.unlink(temp)
-    except OSError as e:
-        if e.errno != errno.ENOENT:
-            raise

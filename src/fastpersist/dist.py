@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from fastpersist.errors import CheckpointError, CheckpointWriteError
+from fastpersist.errors import CheckpointError, CheckpointWriteError, DistributedCheckpointError
 
 T = TypeVar("T")
 
@@ -87,26 +87,21 @@ def default_comm(timeout_s: float = 600.0) -> Comm:
     return LocalComm()
 
 
-class DistributedCheckpointError(CheckpointWriteError):
-    """A step failed on one or more ranks; raised on every rank.
-
-    ``failures`` maps each failing rank to its formatted traceback.
-    """
-
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(self.failures)
-
 
 def agree(comm: Comm, what: str, fn: Callable[[], T]) -> list[T]:
     """Run ``fn`` on every rank; return every rank's result, or raise on every rank.
 
-    ``what`` names the step in the error ("writing checkpoint step 10").
+    ``what`` names the step in the error ("writing checkpoint step 10"). At world size 1 there
+    is nobody to tell: a failure is raised as it is (a :class:`CheckpointError` subclass; any
+    other exception wrapped in :class:`CheckpointWriteError` naming the step).
     """
+    if comm.world_size == 1:
+        try:
+            return [fn()]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointWriteError(f"{what} failed: {type(e).__name__}: {e}") from e
     local_error: BaseException | None = None
     try:
         outcome: tuple[bool, Any] = (True, fn())
@@ -150,12 +145,14 @@ def writer_ranks(policy: str | int | Sequence[int], hosts: Sequence[str]) -> lis
         return sorted(ranks[0] for ranks in by_host.values())
     if isinstance(policy, int) and not isinstance(policy, bool):
         if policy < 1:
-            raise CheckpointError(f"writers={policy}: at least one writer per node is needed")
+            raise ValueError(f"writers={policy}: at least one writer per node is needed")
         return sorted(r for ranks in by_host.values() for r in ranks[:policy])
     if isinstance(policy, str):
-        raise CheckpointError(f"writers={policy!r}: use 'all', 'node', a number per node or a list of ranks")
+        raise ValueError(f"writers={policy!r}: use 'all', 'node', a number per node or a list of ranks")
+    if isinstance(policy, bool) or not isinstance(policy, Sequence):
+        raise TypeError(f"writers must be 'all', 'node', an int or a list of ranks, got {policy!r}")
     chosen = sorted(set(int(r) for r in policy))
     bad = [r for r in chosen if not 0 <= r < world]
     if not chosen or bad:
-        raise CheckpointError(f"writers={list(policy)}: ranks must be in 0..{world - 1} and not empty")
+        raise ValueError(f"writers={list(policy)}: ranks must be in 0..{world - 1} and not empty")
     return chosen

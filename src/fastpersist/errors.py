@@ -23,6 +23,39 @@ class UnsaveableObjectError(CheckpointWriteError):
     """The object cannot be serialized (it is not picklable by torch.save's rules)."""
 
 
+class DistributedCheckpointError(CheckpointWriteError):
+    """A step of the save protocol failed on one or more ranks; raised on every rank.
+
+    ``failures`` maps each failing rank to its formatted traceback.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.failures)
+
+
+class ReplicaMismatchError(CheckpointWriteError):
+    """The ``state`` passed as replicated holds different values on different ranks.
+
+    Raised on every rank before anything is committed. ``key`` names the first differing
+    tensor (its path in the state, or the storage's index), ``ranks`` the ranks that disagree
+    with the lowest rank.
+    """
+
+    def __init__(self, message: str, key: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.key = key
+        self.ranks = ranks
+
+
+class CheckpointerClosedError(CheckpointError):
+    """The Checkpointer was closed; it takes no more saves."""
+
+
 class CheckpointReadError(CheckpointError):
     """A checkpoint could not be read."""
 
@@ -41,6 +74,10 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class UnsupportedFormatError(CheckpointReadError):
     """The checkpoint was written in a newer format version than this fastpersist reads."""
+
+
+class UnsupportedTorchError(CheckpointError):
+    """torch's serialization internals differ from what this fastpersist was tested with."""
 
 
 class UnsafeFileError(CorruptCheckpointError):

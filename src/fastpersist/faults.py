@@ -7,7 +7,8 @@ job does when a disk fills up or a rank dies in the middle of a checkpoint::
     backend = FaultyBackend([Fault("write", errno.ENOSPC, at=3, rank=2)])
     ckpt = fastpersist.Checkpointer(roots, backend=backend)
 
-A :class:`Fault` matches an operation (``open``, ``write``, ``fsync``, ``rename``, or a protocol
+A :class:`Fault` matches an operation (``open``, ``write``, ``fsync``, ``rename``, ``delete``
+(unlink, rmdir, rmtree), ``list`` (a directory listing), ``lock`` (the root lock), or a protocol
 ``event`` from :data:`fastpersist.io.backend.PROTOCOL_POINTS`), optionally only on one rank, one
 root, or paths containing a string, and fires on the ``at``-th matching call (0: every call).
 It then sleeps ``delay_s``, and raises ``OSError(errno)``, or kills the process with SIGKILL.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from fastpersist.io.backend import PROTOCOL_POINTS, FileBackend
 
-OPS = ("open", "write", "fsync", "rename", "event")
+OPS = ("open", "write", "fsync", "rename", "delete", "list", "lock", "event")
 
 
 @dataclass
@@ -111,3 +112,12 @@ class FaultyBackend(FileBackend):
 
     def event(self, point: str) -> None:
         self._hit("event", point=point)
+
+    def before_delete(self, path: str) -> None:
+        self._hit("delete", None, path)
+
+    def before_list(self, path: str) -> None:
+        self._hit("list", None, path)
+
+    def before_lock(self, path: str) -> None:
+        self._hit("lock", None, path)

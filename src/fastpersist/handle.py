@@ -1,11 +1,23 @@
-"""The handle ``Checkpointer.save`` returns, and the metrics of one save."""
+"""The handle ``Checkpointer.save`` returns, and the metrics of one save.
+
+A :class:`SaveHandle` behaves like a :class:`concurrent.futures.Future` of the committed
+checkpoint (``done``, ``result``/``wait``, ``exception``, ``add_done_callback``) and carries a
+second future, :attr:`SaveHandle.staged`: the moment training may modify the saved tensors
+again (copied out, or, for tensors written from live memory, written). DCP's asynchronous save
+separates the same two moments.
+"""
 
 from __future__ import annotations
 
-import threading
+import collections
+import concurrent.futures as cf
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from fastpersist.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,9 +37,11 @@ class SaveMetrics:
     save_call_s: float = 0.0  # time inside save()
     step_wait_s: float = 0.0  # time guarded optimizer steps waited for this checkpoint
     write_s: float = 0.0  # this rank's data writes (background)
+    replica_check_s: float = 0.0  # hashing the replicated bytes for the cross-rank check
     total_s: float = 0.0  # from save() to committed
     waited_for_previous: bool = False  # save() waited for an earlier checkpoint (back-pressure)
     skipped: bool = False  # not taken: the previous checkpoint was still in flight
+    inline: bool = False  # save() waited for the commit (sync mode, or over the snapshot budget)
 
     @property
     def blocked_s(self) -> float:
@@ -39,13 +53,12 @@ class SaveMetrics:
 
 
 class SaveHandle:
-    """A checkpoint being saved in the background."""
+    """A checkpoint being saved: a future of its commit, with :attr:`staged` beside it."""
 
     def __init__(self, metrics: SaveMetrics) -> None:
         self.metrics = metrics
-        self._done = threading.Event()
-        self._data_written = threading.Event()  # this rank's live tensors are written
-        self._error: BaseException | None = None
+        self.staged: cf.Future[None] = cf.Future()  # training may modify the saved tensors
+        self._committed: cf.Future[SaveMetrics] = cf.Future()
         self.reported = False  # the error was raised to the caller once already
 
     @property
@@ -53,31 +66,107 @@ class SaveHandle:
         return self.metrics.step
 
     def done(self) -> bool:
-        return self._done.is_set()
+        """Whether the checkpoint is committed, failed or skipped."""
+        return self._committed.done()
 
-    def wait(self, timeout: float | None = None) -> SaveMetrics:
-        """Wait until the checkpoint is committed; raises its error if it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"checkpoint step {self.step} is not committed after {timeout} s")
-        if self._error is not None:
+    def result(self, timeout: float | None = None) -> SaveMetrics:
+        """Wait until the checkpoint is committed and return its metrics; raises its error."""
+        try:
+            return self._committed.result(timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"checkpoint step {self.step} is not committed after {timeout} s") from None
+        except BaseException:
             self.reported = True
-            raise self._error
-        return self.metrics
+            raise
+
+    wait = result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"checkpoint step {self.step} is not committed after {timeout} s")
-        return self._error
+        """The checkpoint's error (None if it committed); waits like :meth:`result`."""
+        try:
+            return self._committed.exception(timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"checkpoint step {self.step} is not committed after {timeout} s") from None
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
+        """Call ``fn(handle)`` once the checkpoint is committed or failed (at once if it is).
+
+        Callbacks run in the Checkpointer's save thread, before the next save starts: keep them
+        short, and never call ``save()``, ``wait()`` or ``close()`` of the same Checkpointer
+        from one (they would wait for the thread that runs them). An exception in one is
+        logged."""
+        def call(_: cf.Future[SaveMetrics]) -> None:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - a user callback must not kill the save driver
+                logger.exception("a done-callback of checkpoint step %d raised", self.step)
+
+        self._committed.add_done_callback(call)
 
     # called by the Checkpointer
+    def _set_staged(self) -> None:
+        if not self.staged.done():
+            self.staged.set_result(None)
+
     def _finish(self, error: BaseException | None = None) -> None:
         if error is not None and not isinstance(error, CheckpointError):
             wrapped = CheckpointError(f"checkpoint step {self.step} failed: {type(error).__name__}: {error}")
             wrapped.__cause__ = error
             error = wrapped
-        self._error = error
-        self._data_written.set()
-        self._done.set()
+        self._set_staged()
+        if error is None:
+            self._committed.set_result(self.metrics)
+        else:
+            self._committed.set_exception(error)
 
-    def _wait_data_written(self) -> None:
-        self._data_written.wait()
+    def _wait_done(self, timeout: float | None = None) -> bool:
+        try:
+            self._committed.exception(timeout)
+        except cf.TimeoutError:
+            return False
+        return True
+
+    @property
+    def _error(self) -> BaseException | None:
+        return self._committed.exception() if self._committed.done() else None
+
+
+class History:
+    """The metrics of recent saves (bounded: a job may save every iteration for weeks) and
+    running totals over every save since the Checkpointer was built.
+
+    Iterating or indexing gives the recent :class:`SaveMetrics`, oldest first.
+    """
+
+    def __init__(self, recent: int = 1000) -> None:
+        self._recent: collections.deque[SaveMetrics] = collections.deque(maxlen=recent)
+        self.saves = 0  # committed saves
+        self.skipped = 0
+        self.bytes_total = 0
+        self.blocked_s = 0.0
+        self.max_blocked_s = 0.0
+        self.total_s = 0.0
+
+    def append(self, m: SaveMetrics) -> None:
+        self._recent.append(m)
+        if m.skipped:
+            self.skipped += 1
+            return
+        self.saves += 1
+        self.bytes_total += m.bytes_total
+        self.blocked_s += m.blocked_s
+        self.max_blocked_s = max(self.max_blocked_s, m.blocked_s)
+        self.total_s += m.total_s
+
+    def __iter__(self) -> Iterator[SaveMetrics]:
+        return iter(list(self._recent))
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def __getitem__(self, i: int) -> SaveMetrics:
+        return self._recent[i]
+
+    @property
+    def mean_blocked_s(self) -> float:
+        return self.blocked_s / self.saves if self.saves else 0.0

@@ -13,8 +13,6 @@ different machines need a scheduler that keeps them apart.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
@@ -22,6 +20,7 @@ import socket
 import time
 
 from fastpersist.errors import CheckpointWriteError
+from fastpersist.io.backend import FileBackend
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +28,9 @@ LOCK_NAME = ".fastpersist.lock"
 
 
 class RootLock:
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, backend: FileBackend) -> None:
         self.path = os.path.join(root, LOCK_NAME)
+        self.backend = backend
         self._fd = -1
 
     @property
@@ -41,26 +41,19 @@ class RootLock:
         if self.held:
             return
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self.backend.makedirs(os.path.dirname(self.path))
+            fd = self.backend.lock(self.path)
+        except BlockingIOError as e:
+            raise CheckpointWriteError(
+                f"the checkpoint root {os.path.dirname(self.path)} is in use by another Checkpointer "
+                f"({_holder(self.path)}); two jobs writing one root would destroy each other's checkpoints: use "
+                "another root, or stop the other job (close() releases the root)"
+            ) from e
         except OSError as e:
-            raise CheckpointWriteError(f"cannot create the lock file {self.path}: {e.strerror or e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _describe(os.pread(fd, 4096, 0))
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise CheckpointWriteError(
-                    f"the checkpoint root {os.path.dirname(self.path)} is in use by another Checkpointer "
-                    f"({holder}); two jobs writing one root would destroy each other's checkpoints: use another "
-                    "root, or stop the other job (close() releases the root)"
-                ) from e
             raise CheckpointWriteError(f"cannot lock {self.path}: {e.strerror or e}") from e
         previous = os.pread(fd, 4096, 0)
         if previous.strip():
-            logger.info("fastpersist: took over %s, left by a job that is no longer running (%s)",
-                        self.path, _describe(previous))
+            logger.info("took over %s, left by a job that is no longer running (%s)", self.path, _describe(previous))
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
@@ -73,6 +66,14 @@ class RootLock:
                 os.ftruncate(fd, 0)  # an empty lock file tells the next job nothing was left behind
             finally:
                 os.close(fd)
+
+
+def _holder(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return _describe(f.read(4096))
+    except OSError:
+        return "holder unknown"
 
 
 def _describe(raw: bytes) -> str:

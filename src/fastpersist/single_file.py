@@ -12,6 +12,7 @@ rebuilds the object with storages that are slices of that buffer (no copy). With
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -20,8 +21,7 @@ from typing import Any
 
 import torch
 
-
-from fastpersist.commit import check_directory, discard, publish, temp_path_for
+from fastpersist.commit import check_directory, temp_path_for
 from fastpersist.config import IOConfig, get_config
 from fastpersist.errors import (
     CheckpointNotFoundError,
@@ -30,6 +30,7 @@ from fastpersist.errors import (
     CorruptCheckpointError,
 )
 from fastpersist.format import integrity, references, skeleton, torchzip
+from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import align_down, align_up, memory_view, shared_pool
 from fastpersist.io.files import DirectFile, file_size, preallocate, pwrite_all, read_exact
 from fastpersist.io.reader import ReadRequest, allocate, read_into
@@ -48,21 +49,24 @@ def _pieces(layout: torchzip.Layout) -> list[Piece]:
     return pieces
 
 
-def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None:
+def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend: FileBackend | None = None) -> None:
     """Save ``obj`` to ``path`` as a torch.load-compatible file.
 
     Accepts everything ``torch.save`` accepts. The file appears under ``path`` only when it is
     complete and durable; an existing file of that name is replaced atomically, and is left
-    untouched if the save fails.
+    untouched if the save fails before the rename (no temporary file is left either); a failure
+    to fsync the directory after the rename says so. ``backend`` is the file
+    seam (default: real files; see :mod:`fastpersist.faults`).
     """
     cfg = config or get_config()
+    io = backend or FileBackend()
     path = os.fspath(path)
     start = time.perf_counter()
     directory = check_directory(path)
     layout = torchzip.layout(obj)
     temp = temp_path_for(path)
     try:
-        file = DirectFile(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.direct)
+        file = io.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.direct, 0)
     except OSError as e:
         raise CheckpointWriteError(f"cannot save {path}: cannot create a file in {directory}: {e.strerror or e}") from e
     try:
@@ -73,18 +77,32 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None) -> None
             file_direct = file.is_direct  # False if the filesystem refused O_DIRECT on the way
             digests.update(layout.small_digests)
             tail = memoryview(layout.finish_tail(digests))
+            if file.on_write is not None:
+                file.on_write(layout.body_end, len(tail))
             pwrite_all(file.fd, tail, layout.body_end)
-            os.fsync(file.fd)
+            io.fsync(file)
         except OSError as e:
             raise CheckpointWriteError(f"cannot save {path}: {e.strerror or e}") from e
         finally:
             file.close()
-        publish(temp, path)
+        try:
+            io.replace(temp, path)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot publish {path}: {e.strerror or e}") from e
+        try:
+            io.fsync_dir(directory)
+        except OSError as e:  # past the rename: the new file is complete, its name maybe not durable
+            raise CheckpointWriteError(
+                f"{path} was replaced by the new, complete file, but its directory {directory} could not be "
+                f"fsync'd ({e.strerror or e}): after a power loss the name may still show the previous file"
+            ) from e
     except BaseException:
-        discard(temp)
+        with contextlib.suppress(OSError):  # keep the original error
+            if os.path.lexists(temp):
+                io.unlink(temp)
         raise
     seconds = time.perf_counter() - start
-    logger.debug("fastpersist: saved %s (%d bytes, %s) in %.3f s", path, layout.file_size,
+    logger.debug("saved %s (%d bytes, %s) in %.3f s", path, layout.file_size,
                  "O_DIRECT" if file_direct else "buffered", seconds)
 
 

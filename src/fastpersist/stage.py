@@ -10,7 +10,12 @@ already a copy. The storages are the question:
   state of a protected optimizer are written from live memory: only ``optimizer.step()``
   changes them, and its pre-hook waits until they are written.
 
-A copy from device memory is a device-to-host copy into pinned memory on a side stream.
+A copy from device memory is a device-to-host copy into page-locked memory on a side stream
+of its device, ordered after the work training queued before ``save()``; ``save()`` waits for
+those copies (the arena must hold the state before training may change it). A guarded device
+storage is not copied here: the event recorded now on training's stream
+(:data:`fastpersist.io.buffers.ready_events`) lets the background writer copy it later on its
+own side stream, without queueing behind training's newer work.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 
 from fastpersist.errors import CheckpointError
 from fastpersist.format import torchzip
-from fastpersist.io.buffers import ALIGN, align_up, aligned_empty
+from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, ready_events
 
 
 class Arena:
@@ -124,11 +129,13 @@ class _Capture:
         self.pos = 0
         self.copied = 0
         self.copies: dict[int, torch.UntypedStorage] = {}
-        self.stream: Any = None
+        self.streams: dict[torch.device, Any] = {}  # one side stream per device copied from
+        self.live_seen: list[torch.UntypedStorage] = []
 
     def storage(self, s: torch.UntypedStorage) -> torch.UntypedStorage:
         key = storage_key(s)
         if key in self.live:
+            self.live_seen.append(s)
             return s
         done = self.copies.get(key)
         if done is not None:
@@ -141,11 +148,12 @@ class _Capture:
             raise CheckpointError("internal: the snapshot arena is smaller than the state it must hold")
         dst = self.arena[self.pos : self.pos + n]
         src = torchzip.byte_view(s)
-        if src.device.type == "cuda":  # pragma: no cover - no GPU in CI
-            if self.stream is None:  # device-to-host copies on a side stream, into pinned memory
-                self.stream = torch.cuda.Stream(device=src.device)
-                self.stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(self.stream):
+        if src.device.type == "cuda":  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
+            stream = self.streams.get(src.device)
+            if stream is None:  # device-to-host copies on a side stream of that device, into pinned memory
+                stream = self.streams[src.device] = torch.cuda.Stream(device=src.device)
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
         else:
             dst.copy_(src)
@@ -158,6 +166,7 @@ class _Capture:
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() in self.live:
+            self.live_seen.append(storage)
             view = t.detach()  # same memory; shape, strides and offset fixed now
         else:
             s = self.storage(storage)
@@ -183,8 +192,9 @@ class _Capture:
         raise CheckpointError(f"internal: {type(obj).__name__} cannot be captured without pickling")
 
     def finish(self) -> None:
-        if self.stream is not None:  # pragma: no cover - no GPU in CI
-            self.stream.synchronize()
+        for stream in self.streams.values():  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
+            stream.synchronize()
+        ready_events.mark(self.live_seen)  # guarded device storages: the save point, for the writer
 
 
 def capture_storages(storages: list[torch.UntypedStorage], live: set[int],

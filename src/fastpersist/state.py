@@ -7,10 +7,13 @@ GradScaler, anything stateful) are saved through ``state_dict()`` and restored i
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+import logging
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from fastpersist.errors import CheckpointReadError
+
+logger = logging.getLogger(__name__)
 
 
 def is_stateful(obj: object) -> bool:
@@ -63,7 +66,8 @@ class RNGState:
     is initialised), numpy's global generator (when numpy is installed) and Python's
     ``random``; ``load_state_dict()`` puts them back. Everything is stored as tensors and plain
     Python values, so torch's weights-only loader accepts it. RNG state differs per rank: save
-    it in ``rank_state``.
+    it in ``rank_state``. A state loaded with a ``map_location`` that put its tensors on a GPU
+    is restored too (generator states are moved back to the host, where torch requires them).
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -90,15 +94,29 @@ class RNGState:
 
         import torch
 
-        torch.set_rng_state(state["torch"])
+        torch.set_rng_state(state["torch"].cpu())
         py = state["python"]
         random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
-        if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - no GPU in CI
-            torch.cuda.set_rng_state_all(state["cuda"])
+        if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
+            _set_cuda_states(state["cuda"])
         np = _numpy()
         if np is not None and "numpy" in state:
             s = state["numpy"]
-            np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))
+            np.random.set_state((s["name"], s["keys"].cpu().numpy().astype("uint32"), s["pos"], s["has_gauss"],
+                                 s["cached"]))
+
+
+def _set_cuda_states(states: Sequence[Any]) -> None:  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
+    """Restore one generator state per visible device, on the host (``set_rng_state`` refuses GPU
+    tensors); a different device count than at save time restores the common ones and says so."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if len(states) != count:
+        logger.warning("fastpersist: the RNG state holds %d CUDA generators, this process sees %d devices: "
+                       "restoring the first %d", len(states), count, min(len(states), count))
+    for i, s in enumerate(states[:count]):
+        torch.cuda.set_rng_state(s.cpu(), i)
 
 
 def _numpy() -> Any:

@@ -54,6 +54,18 @@ def _vm_size() -> int:
     return 0
 
 
+def _caused_by_memory(e: BaseException) -> bool:
+    """Whether a MemoryError is anywhere in ``e``'s chain (a wrapper must not hide one)."""
+    seen = 0
+    cur: BaseException | None = e
+    while cur is not None and seen < 20:
+        if isinstance(cur, MemoryError):
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
+
+
 def _child(conn: multiprocessing.connection.Connection, memory_bytes: int, fn: Callable[..., Any],
            args: tuple[Any, ...]) -> None:
     limit = _vm_size() + memory_bytes
@@ -65,7 +77,7 @@ def _child(conn: multiprocessing.connection.Connection, memory_bytes: int, fn: C
     except MemoryError as e:
         result = ("oom", None, "MemoryError", str(e))
     except CheckpointError as e:
-        kind = "oom" if "cannot allocate" in str(e) else "checkpoint_error"
+        kind = "oom" if "cannot allocate" in str(e) or _caused_by_memory(e) else "checkpoint_error"
         result = (kind, None, type(e).__name__, str(e))
     except BaseException as e:  # noqa: BLE001 - classified, not handled
         result = ("other", None, type(e).__name__, f"{e}\n{traceback.format_exc()[-1500:]}")

@@ -15,6 +15,7 @@ on this machine's ext4, mounted with ``discard``, that alone cost fastpersist.sa
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 import os
@@ -23,6 +24,8 @@ import resource
 import shutil
 import statistics
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -73,7 +76,8 @@ def gpt_state(gib: float, seed: int = 0) -> dict[str, object]:
     model["ln_f.weight"] = torch.ones(d)
     model["ln_f.bias"] = torch.zeros(d)
     optim_state = {
-        i: {"step": torch.tensor(100.0), "exp_avg": torch.randn_like(t) * 1e-3, "exp_avg_sq": torch.rand_like(t) * 1e-6}
+        i: {"step": torch.tensor(100.0), "exp_avg": torch.randn(t.shape, generator=g) * 1e-3,
+            "exp_avg_sq": torch.rand(t.shape, generator=g) * 1e-6}
         for i, t in enumerate(model.values())
     }
     optim = {
@@ -159,10 +163,10 @@ def drop_caches() -> bool:
 # ------------------------------------------------------------------------------- contenders
 
 
-def _fio(path: str, rw: str, size_gib: int) -> tuple[Sample, float]:
+def _fio(path: str, rw: str, size: int) -> tuple[Sample, float]:
     cmd = [
         "fio", "--name=probe", f"--filename={path}", f"--rw={rw}", "--direct=1", "--ioengine=libaio",
-        "--bs=64M", "--iodepth=4", f"--size={size_gib}G", "--output-format=json",
+        f"--bs={min(64 * MiB, size)}", "--iodepth=4", f"--size={size}", "--output-format=json",
     ]
     if rw == "write":
         cmd.append("--end_fsync=1")
@@ -173,24 +177,26 @@ def _fio(path: str, rw: str, size_gib: int) -> tuple[Sample, float]:
     cpu_frac = (job["usr_cpu"] + job["sys_cpu"]) / 100.0
     side = job["write"] if rw == "write" else job["read"]
     runtime = side["runtime"] / 1000.0 or dt
-    return Sample(runtime, cpu_frac * runtime, 0), size_gib * (1 << 30) / runtime / GB
+    return Sample(runtime, cpu_frac * runtime, 0), size / runtime / GB
 
 
-def _raw_probe(path: str, rw: str, size_gib: int) -> tuple[Sample, float]:
-    """The device's limit without fio: O_DIRECT 64 MiB requests from one aligned buffer."""
+def _raw_probe(path: str, rw: str, size: int, direct: bool = True) -> tuple[Sample, float]:
+    """The device's limit without fio: O_DIRECT 64 MiB requests from one aligned buffer
+    (``direct=False``: buffered requests, and an fsync after writing)."""
     from fastpersist.io.buffers import aligned_empty, memory_view
     from fastpersist.io.files import O_DIRECT, pread_into, pwrite_all
 
-    buf = aligned_empty(64 * MiB, pin=False)
+    request = min(64 * MiB, size)
+    buf = aligned_empty(request, pin=False)
     buf.fill_(7)
-    view = memory_view(buf.data_ptr(), 64 * MiB)
-    total = size_gib * (1 << 30)
+    view = memory_view(buf.data_ptr(), request)
+    total = size - size % request
 
     def run() -> None:
         flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if rw == "write" else os.O_RDONLY
-        fd = os.open(path, flags | O_DIRECT, 0o644)
+        fd = os.open(path, flags | (O_DIRECT if direct else 0), 0o644)
         try:
-            for off in range(0, total, 64 * MiB):
+            for off in range(0, total, request):
                 if rw == "write":
                     pwrite_all(fd, view, off)
                 else:
@@ -204,12 +210,28 @@ def _raw_probe(path: str, rw: str, size_gib: int) -> tuple[Sample, float]:
     return s, total / s.seconds / GB
 
 
-def device_probe(path: str, rw: str, size_gib: int) -> tuple[Sample, float, str]:
+def device_probe(path: str, rw: str, size: int) -> tuple[Sample, float, str]:
+    """The device's sequential O_DIRECT write or read of ``size`` bytes (a multiple of 4 KiB).
+
+    fio when installed; else (or if fio fails) a raw O_DIRECT probe; where the filesystem
+    refuses O_DIRECT (EINVAL: some sandboxes, FUSE, tmpfs), buffered I/O, and the note says so.
+    """
+    bs = f"{min(64 * MiB, size) // MiB}M"
+    why = "fio not installed"
     if shutil.which("fio"):
-        s, gbps = _fio(path, rw, size_gib)
-        return s, gbps, "fio libaio O_DIRECT bs=64M iodepth=4"
-    s, gbps = _raw_probe(path, rw, size_gib)
-    return s, gbps, "raw O_DIRECT probe (fio not installed)"
+        try:
+            s, gbps = _fio(path, rw, size)
+            return s, gbps, f"fio libaio O_DIRECT bs={bs} iodepth=4"
+        except (subprocess.CalledProcessError, ValueError, KeyError) as e:
+            why = f"fio failed: {type(e).__name__}"
+    try:
+        s, gbps = _raw_probe(path, rw, size)
+        return s, gbps, f"raw O_DIRECT probe, {bs} requests ({why})"
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    s, gbps = _raw_probe(path, rw, size, direct=False)
+    return s, gbps, f"BUFFERED probe, {bs} requests: O_DIRECT refused by the filesystem ({why})"
 
 
 def save_torch(state: object, path: str) -> None:
@@ -253,11 +275,12 @@ def _fmt(xs: list[float], digits: int = 2) -> str:
 
 
 def run_size(
-    gib: float, rounds: int, workdir: str, dcp_threads: int, log: Callable[[str], None], settle: float = 2.0
+    gib: float, rounds: int, workdir: str, dcp_threads: int, log: Callable[[str], None], settle: float = 2.0,
+    probe_bytes: int | None = None,
 ) -> tuple[dict[str, Series], int]:
     state = gpt_state(gib)
     payload = tensor_bytes(state)
-    fio_gib = max(1, min(4, round(gib)))
+    probe = probe_bytes or max(1, min(4, round(gib))) * (1 << 30)
     paths = {n: os.path.join(workdir, n) for n in ("torch.pt", "dcp", "fastpersist.pt", "fio.bin")}
     series = {
         "device write": Series("device write", "save"),
@@ -285,8 +308,8 @@ def run_size(
             _remove(paths[output])
             time.sleep(settle)
             if name == "device write":
-                s, gbps, note = device_probe(paths["fio.bin"], "write", fio_gib)
-                series[name].add(s, fio_gib * (1 << 30), gbps)
+                s, gbps, note = device_probe(paths["fio.bin"], "write", probe)
+                series[name].add(s, probe, gbps)
                 series["device write"].note = series["device read"].note = note
             else:
                 s, _ = measure(fn)
@@ -294,8 +317,8 @@ def run_size(
 
         log(f"  {gib:g} GiB round {r + 1}/{rounds}: loads")
         cold &= drop_caches()
-        s, gbps, _ = device_probe(paths["fio.bin"], "read", fio_gib)
-        series["device read"].add(s, fio_gib * (1 << 30), gbps)
+        s, gbps, _ = device_probe(paths["fio.bin"], "read", probe)
+        series["device read"].add(s, probe, gbps)
         for name, fn in (
             ("torch.load", lambda: torch.load(paths["torch.pt"], weights_only=True)),
             ("fastpersist.load", lambda: fp.load(paths["fastpersist.pt"])),
@@ -356,31 +379,44 @@ def table(gib: float, payload_gb: float, series: dict[str, Series]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if "--gpu" in args_in:  # the prepared GPU run (fastpersist.cli.gpu_check), with its own options
+        from fastpersist.cli import gpu_check
+
+        return gpu_check.main([a for a in args_in if a != "--gpu"])
     ap = argparse.ArgumentParser(prog="fastpersist bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="run the prepared GPU check instead (see --gpu --help)")
     ap.add_argument("--sizes", default="1", help="state sizes in GiB, comma-separated (default 1)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds (4 = every save contender in every position)")
-    ap.add_argument("--dir", default=os.path.join(os.getcwd(), "bench-work"), help="where files are written (a real disk)")
+    ap.add_argument("--dir", default=os.getcwd(),
+                    help="where to work (a real disk); the run uses a new subdirectory of it and removes only that")
     ap.add_argument("--dcp-threads", type=int, default=4)
     ap.add_argument("--settle", type=float, default=2.0, help="idle seconds before each timed save")
+    ap.add_argument("--probe-mib", type=int, default=None,
+                    help="bytes of the device probe (default: the state's size, 1-4 GiB)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(args_in)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
 
     os.makedirs(args.dir, exist_ok=True)
-    log(machine_facts(args.dir))
-    log(f"fastpersist IO config: {fp.get_config()}")
-    log("state memory: warm (created in this process just before the runs); loads: page cache dropped before each")
-    results = {}
-    for gib in [float(x) for x in args.sizes.split(",")]:
-        series, payload = run_size(gib, args.rounds, args.dir, args.dcp_threads, log, args.settle)
-        print()
-        print(table(gib, payload / GB, series), flush=True)
-        print()
-        results[str(gib)] = {k: asdict(v) for k, v in series.items()}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    shutil.rmtree(args.dir, ignore_errors=True)
+    workdir = tempfile.mkdtemp(prefix="fastpersist-bench-", dir=args.dir)  # ours: the only thing we remove
+    try:
+        log(machine_facts(workdir))
+        log(f"fastpersist IO config: {fp.get_config()}")
+        log("state memory: warm (created in this process just before the runs); loads: page cache dropped before each")
+        results = {}
+        probe = args.probe_mib * MiB if args.probe_mib else None
+        for gib in [float(x) for x in args.sizes.split(",")]:
+            series, payload = run_size(gib, args.rounds, workdir, args.dcp_threads, log, args.settle, probe)
+            print()
+            print(table(gib, payload / GB, series), flush=True)
+            print()
+            results[str(gib)] = {k: asdict(v) for k, v in series.items()}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ class _Block(nn.Module):
         self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
         self.ln2 = nn.LayerNorm(d)
         self.experts = experts
+        self.mlp: nn.Module
         if experts:
             self.router = nn.Linear(d, experts)
             self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
@@ -57,7 +58,7 @@ class _Block(nn.Module):
         gate = self.router(h).softmax(-1)  # top-1 routing
         weight, choice = gate.max(-1)
         out = torch.zeros_like(h)
-        for e, expert in enumerate(self.mlp):
+        for e, expert in enumerate(cast(nn.ModuleList, self.mlp)):
             sel = choice == e
             if sel.any():
                 out[sel] = expert(h[sel]) * weight[sel].unsqueeze(-1)
@@ -84,7 +85,7 @@ class TinyGPT(nn.Module):
         for b in self.blocks:
             x = b(x, mask)
         if self.training:
-            self.tokens_seen += idx.numel()
+            cast(torch.Tensor, self.tokens_seen).add_(idx.numel())
         return self.head(self.ln(x))
 
 
@@ -271,6 +272,30 @@ def _train_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "fastpersist.cli.demo", "train", *args]
 
 
+def _in_progress(run_dir: str) -> list[str]:
+    """Checkpoint directories holding data but no manifest: saves being written."""
+    out = []
+    for n in os.listdir(run_dir):
+        d = os.path.join(run_dir, n)
+        if n.startswith("step-") and os.path.isdir(d) and not os.path.exists(os.path.join(d, "manifest.json")):
+            if any(f.endswith(".bin") for f in os.listdir(d)):
+                out.append(n)
+    return out
+
+
+def _wait_for_a_write(run_dir: str, step: int, timeout: float) -> None:
+    """Until a checkpoint of ``step`` or later is being written (its data files exist, its
+    manifest does not): the instant to kill. Polls; gives up after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if any(int(n.split("-")[1]) >= step for n in _in_progress(run_dir)):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.002)
+
+
 def crash_and_resume(directory: str, steps: int = 24, kill_after: int = 10, slow_ms: float = 20.0,
                      kind: str = "gpt") -> dict[str, Any]:
     """Kill a training run with SIGKILL during a checkpoint write, resume it, compare losses.
@@ -288,12 +313,11 @@ def crash_and_resume(directory: str, steps: int = 24, kill_after: int = 10, slow
     for line in proc.stdout or ():
         killed_lines.append(line)
         if line.startswith(f"step {kill_after} "):
-            time.sleep(slow_ms / 1e3 * 3)  # well inside the next checkpoint's writes
+            _wait_for_a_write(run_dir, kill_after, timeout=30.0)  # a checkpoint's data is being written
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait()
-    in_progress = [n for n in os.listdir(run_dir)
-                   if n.startswith("step-") and not os.path.exists(os.path.join(run_dir, n, "manifest.json"))]
+    in_progress = _in_progress(run_dir)
     resumed = subprocess.run(_train_cmd("--dir", run_dir, "--kind", kind, "--steps", str(steps), "--mode", "overlap",
                                         "--resume"), capture_output=True, text=True, check=True)
     lines = resumed.stdout.splitlines()

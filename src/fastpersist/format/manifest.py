@@ -115,6 +115,7 @@ class Manifest:
     objects: dict[str, ObjectEntry]
     version: int = FORMAT_VERSION
     user: dict[str, Any] = field(default_factory=dict)
+    sequence: int = 0  # commit order among the checkpoints of these roots (0: not recorded)
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +143,7 @@ class Manifest:
                 for name, o in sorted(self.objects.items())
             },
             "user": self.user,
+            "sequence": self.sequence,
         }
         body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return seal(body) if self.version >= 2 else body
@@ -220,6 +222,7 @@ def parse(path: str, raw: bytes) -> Manifest:
     created = doc.get("created", 0.0)
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < _MAX_CREATED:
         raise rd.fail("header", f"field 'created' must be a time in seconds since 1970, got {created!r}")
+    sequence = rd.count(doc, "sequence", "header") if "sequence" in doc else 0
     _check_seal(path, raw, doc, version)  # last: a damaged field is named by the checks above first
     return Manifest(
         step=rd.count(doc, "step", "header"),
@@ -231,6 +234,7 @@ def parse(path: str, raw: bytes) -> Manifest:
         objects=objects,
         version=version,
         user=user,
+        sequence=sequence,
     )
 
 

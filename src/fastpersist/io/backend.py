@@ -1,15 +1,19 @@
-"""The file operations a sharded save performs, behind one small seam.
+"""The file operations fastpersist performs, behind one small seam.
 
 The Checkpointer takes a :class:`FileBackend` as a constructor argument. The default one does
 real I/O; tests and benchmarks pass subclasses that fail a chosen operation or throttle writes
-per root (a token bucket), so the whole save protocol runs against real files with the fault
-or the bandwidth limit exactly where they want it. Backends see paths and byte counts, never
-tensors.
+per root (a token bucket), so the whole save protocol, retention, start-up cleanup and the
+root lock run against real files with the fault or the bandwidth limit exactly where they want
+it. Backends see paths and byte counts, never tensors.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import sys
+from collections.abc import Callable
 
 from fastpersist.io.files import DirectFile, fsync_dir
 
@@ -45,6 +49,15 @@ class FileBackend:
     def event(self, point: str) -> None:
         """Called at each point of :data:`PROTOCOL_POINTS` as the save passes it."""
 
+    def before_delete(self, path: str) -> None:
+        """Called before a file or directory is deleted (retention, cleanup, a failed save)."""
+
+    def before_list(self, path: str) -> None:
+        """Called before a directory is listed."""
+
+    def before_lock(self, path: str) -> None:
+        """Called before the root lock is taken."""
+
     # The operations.
 
     def open(self, path: str, flags: int, direct: str, root: int) -> DirectFile:
@@ -76,7 +89,49 @@ class FileBackend:
         os.replace(src, dst)
 
     def fsync_dir(self, path: str) -> None:
+        self.before_fsync(path)
         fsync_dir(path)
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        self.before_list(path)
+        return os.listdir(path)
+
+    def unlink(self, path: str) -> None:
+        self.before_delete(path)
+        os.unlink(path)
+
+    def rmdir(self, path: str) -> None:
+        self.before_delete(path)
+        os.rmdir(path)
+
+    def rmtree(self, path: str, onerror: Callable[[str, OSError], None]) -> None:
+        """Delete a directory tree; ``onerror(path, error)`` hears each failure (best effort)."""
+        def report(_func: object, p: str, exc: BaseException) -> None:
+            if isinstance(exc, OSError):
+                onerror(p, exc)
+            else:  # pragma: no cover - shutil passes OSErrors only
+                raise exc
+
+        self.before_delete(path)
+        if _HAS_ONEXC:
+            shutil.rmtree(path, onexc=report)  # type: ignore[call-arg,unused-ignore]
+        else:  # Python < 3.12
+            shutil.rmtree(path, onerror=lambda f, p, ei: report(f, p, ei[1]))
+
+    def lock(self, path: str) -> int:
+        """Open ``path`` (created if absent) and take an exclusive, non-blocking flock on it;
+        returns the descriptor. Raises BlockingIOError when another process holds it."""
+        self.before_lock(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+_HAS_ONEXC = sys.version_info >= (3, 12)

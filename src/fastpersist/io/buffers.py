@@ -4,19 +4,30 @@ O_DIRECT needs the memory address, the file offset and the length of every reque
 the device's block. fastpersist aligns everything to :data:`ALIGN` (4 KiB, the page and the
 physical block of common SSDs), which satisfies any logical block size up to 4 KiB.
 
-Buffers are torch uint8 tensors, so they can be pinned (``pin_memory``) when CUDA is present and
-device-to-host copies land in them directly. The pool keeps its buffers for the life of the
-process: first touch of fresh memory is several times slower than reuse on virtual machines that
-hand idle guest memory back to the host.
+Buffers are torch uint8 tensors, so device-to-host copies land in them directly. When CUDA is
+present they are page-locked with ``cudaHostRegister`` on memory fastpersist maps itself
+(:class:`_RegisteredMemory`), not taken from torch's pinned allocator: that allocator rounds
+every request up to a power of two and keeps freed blocks cached for the life of the process,
+so a 32 MiB buffer (plus alignment slack) took 64 MiB of page-locked memory and a snapshot
+arena of 1.1 GiB took 2 GiB, the old one still held after the arena grew. Registered memory is
+exactly the size asked for and is unregistered and unmapped when its last view goes.
+
+The pool keeps its buffers for the life of the process: first touch of fresh memory is several
+times slower than reuse on virtual machines that hand idle guest memory back to the host.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import mmap
 import queue
 import threading
+from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 
@@ -59,15 +70,113 @@ def _cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+def _cudart() -> Any:
+    return torch.cuda.cudart()
+
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # page-locked for every CUDA context, as torch's own stager does
+
+
+class _RegisteredMemory(mmap.mmap):
+    """Anonymous, page-aligned memory, page-locked with ``cudaHostRegister`` while it lives.
+
+    ``torch.frombuffer`` keeps this object alive as long as any tensor views it; when the last
+    view goes, :meth:`__del__` unregisters the range before the mapping is unmapped (memory
+    must never be unmapped while the driver holds it registered).
+    """
+
+    registered: int = 0  # the registered address, 0 if registration failed
+
+    def __del__(self) -> None:
+        addr, self.registered = self.registered, 0
+        if not addr:
+            return
+        try:
+            err = int(_cudart().cudaHostUnregister(addr))
+            if err:
+                logger.warning("fastpersist: cudaHostUnregister of staging memory at %#x failed (%d)", addr, err)
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown (module state gone): the process is ending
+            pass
+
+
+_register_warned = False
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-aligned host memory, page-locked for device-to-host copies.
+
+    Exactly ``nbytes`` (rounded up to a page) are mapped and registered. Where registration
+    fails (some sandboxes do not support it), torch's pinned allocator is used instead (sizes
+    rounded up to a power of two), and failing that, pageable memory (slower copies); either
+    fallback is logged once.
+    """
+    size = align_up(max(nbytes, 1))
+    mem = _RegisteredMemory(-1, size)
+    tensor = torch.frombuffer(mem, dtype=torch.uint8)  # keeps ``mem`` alive while any view lives
+    addr = tensor.data_ptr()
+    err = _register(addr, size)
+    if err == 0:
+        mem.registered = addr
+        return tensor[:nbytes]
+    try:
+        fallback = _torch_pinned(size)
+        how = "torch's pinned allocator is used instead (it rounds sizes up to a power of two)"
+    except RuntimeError as e:
+        fallback, how = tensor, f"staging memory stays pageable and device-to-host copies are slower ({e})"
+    _warn_once(f"fastpersist: cudaHostRegister of {size} bytes failed (cudaError {err}): {how}")
+    return fallback[:nbytes]
+
+
+def _register(addr: int, size: int) -> int:
+    """``cudaHostRegister`` in a thread of its own; returns the CUDA error code (0: success).
+
+    A failed CUDA runtime call stays its thread's "last error", and torch's check after its
+    next kernel launch in that thread would report it as the kernel's own failure. A throwaway
+    thread keeps a refusal (some sandboxes refuse registration) away from training's threads.
+    """
+    out: list[int] = []
+
+    def run() -> None:
+        try:
+            out.append(int(_cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE)))
+        except Exception as e:  # noqa: BLE001 - reported as a failed registration
+            logger.debug("fastpersist: cudaHostRegister raised %s", e)
+
+    t = threading.Thread(target=run, name="fastpersist-register")
+    t.start()
+    t.join()
+    return out[0] if out else -1
+
+
+def _torch_pinned(size: int) -> torch.Tensor:
+    """``size`` bytes from torch's pinned allocator, page-aligned (its blocks are)."""
+    raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    if raw.data_ptr() % ALIGN == 0:
+        return raw
+    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
+    pad = (-raw.data_ptr()) % ALIGN
+    return raw[pad : pad + size]
+
+
+def _warn_once(message: str) -> None:
+    global _register_warned
+    if not _register_warned:
+        _register_warned = True
+        logger.warning("%s", message)
+
+
 def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` whose first byte is :data:`ALIGN`-aligned.
 
-    The tensor is a view into a slightly larger allocation; it keeps that allocation alive.
-    ``pin`` defaults to pinning when CUDA is available.
+    ``pin`` defaults to pinning when CUDA is available: the memory is then mapped and
+    registered by :func:`pinned_empty`. Otherwise the tensor is a view into a slightly larger
+    allocation of torch's CPU allocator, which it keeps alive.
     """
     if pin is None:
         pin = _cuda_present()
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    if pin:
+        return pinned_empty(nbytes)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     pad = (-raw.data_ptr()) % ALIGN
     return raw[pad : pad + nbytes]
 
@@ -129,3 +238,95 @@ def shared_pool(nbytes: int, count: int, lane: int = 0) -> BufferPool:
         if pool is None:
             pool = _shared_pools[(nbytes, count, lane)] = BufferPool(nbytes, count)
         return pool
+
+
+# ---------------------------------------------------------------------------------------------
+# Device-to-host copies into staging memory
+
+
+class _ReadyEvents:
+    """When each guarded device storage held the state being saved, as CUDA events.
+
+    ``save()`` runs on the training thread and records, on that thread's current stream, an
+    event after which a guarded (live) storage holds exactly the state to save
+    (:meth:`mark`). Background copies of that storage wait for the event on a side stream:
+    they see the state at ``save()``, and do not queue behind the forward and backward work
+    training has queued since. An entry is valid until the next optimizer step of any
+    optimizer (a global step pre-hook clears them all): only a step may change a guarded
+    storage, and the guard keeps the step from running until the copies are done. Without a
+    valid entry, a copy first synchronizes the device (every stream), which is always correct.
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._hooked = False
+
+    def mark(self, storages: list[torch.UntypedStorage]) -> None:
+        events: dict[torch.device, Any] = {}
+        marks = {}
+        for s in storages:
+            if s.device.type != "cuda":
+                continue
+            ev = events.get(s.device)
+            if ev is None:
+                ev = events[s.device] = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(s.device))
+            marks[s.data_ptr()] = ev
+        if not marks:
+            return
+        self._ensure_hook()
+        with self._lock:
+            self._events.update(marks)
+
+    def _ensure_hook(self) -> None:
+        with self._lock:
+            if not self._hooked:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+                register_optimizer_step_pre_hook(self._invalidate)
+                self._hooked = True
+
+    def get(self, storage_address: int) -> Any:
+        with self._lock:
+            return self._events.get(storage_address)
+
+    def _invalidate(self, *_: Any) -> None:
+        with self._lock:
+            self._events.clear()
+
+
+ready_events = _ReadyEvents()
+_streams = threading.local()
+
+
+def _side_stream(device: torch.device) -> Any:
+    """This thread's copy stream on ``device`` (never the default stream training runs on)."""
+    streams = getattr(_streams, "by_device", None)
+    if streams is None:
+        streams = _streams.by_device = {}
+    s = streams.get(device)
+    if s is None:
+        s = streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+def copy_to_host(dst: memoryview, src: torch.Tensor) -> None:
+    """Copy the bytes of ``src`` (a 1-D uint8 tensor on any device) into host memory ``dst``.
+
+    CUDA memory is copied on a side stream of the calling thread, ordered after the state
+    being saved (:class:`_ReadyEvents`), and waited for before returning.
+    """
+    host = torch.frombuffer(dst, dtype=torch.uint8) if len(dst) else torch.empty(0, dtype=torch.uint8)
+    if src.device.type != "cuda":
+        host.copy_(src)
+        return
+    ready = ready_events.get(src.untyped_storage().data_ptr())
+    if ready is None:
+        torch.cuda.synchronize(src.device)  # no recorded save point: everything queued so far, every stream
+    stream = _side_stream(src.device)
+    with torch.cuda.stream(stream):
+        if ready is not None:
+            stream.wait_event(ready)
+        host.copy_(src, non_blocking=True)
+    stream.synchronize()

@@ -33,7 +33,7 @@ import xxhash
 
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointWriteError
-from fastpersist.io.buffers import ALIGN, BufferPool, StagingBuffer, align_down, memory_view
+from fastpersist.io.buffers import ALIGN, BufferPool, StagingBuffer, align_down, copy_to_host, memory_view
 from fastpersist.io.files import DirectFile, pwrite_all
 
 # Copy and hash in steps of this size so the hash reads bytes the copy left in the cache.
@@ -129,15 +129,14 @@ def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers:
     src_addr = _cpu_address(p)
     if p.tensor is None and src_addr is None:
         raise ValueError(f"piece at offset {p.offset} has neither data, tensor nor address")
+    if src_addr is None and p.tensor is not None:  # device memory: one copy on a side stream (buffers.py)
+        copy_to_host(buf_view[dst : dst + seg.nbytes], p.tensor[seg.start : seg.start + seg.nbytes])
     done = 0
     while done < seg.nbytes:
         n = min(_STEP, seg.nbytes - done)
         d = dst + done
         if src_addr is not None:
             ctypes.memmove(buf_addr + d, src_addr + seg.start + done, n)
-        elif p.tensor is not None:  # device memory: device-to-host copy into the (pinned) staging buffer
-            staging = torch.frombuffer(buf_view[d : d + n], dtype=torch.uint8)
-            staging.copy_(p.tensor[seg.start + done : seg.start + done + n])
         hashers.update(p.tag, buf_view[d : d + n])
         done += n
 

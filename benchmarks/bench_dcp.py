@@ -1,0 +1,212 @@
+"""Sharded state through torch.distributed.checkpoint: fastpersist's storage layer vs DCP's own.
+
+4 gloo ranks on one node, 2 roots, a DTensor state (Shard(0) over a 1-D CPU mesh) of --gib GiB
+in all. Contenders run alternately in the same process group, round after round:
+
+- ``fastpersist.dcp``: ``dcp.save`` with ``fastpersist.dcp.Writer`` (and ``dcp.async_save``);
+- ``FileSystemWriter tN``: ``dcp.save`` with DCP's writer at thread_count N (and async_save);
+- ``Checkpointer``: each rank's local shards as its ``rank_state`` (the Checkpointer carries no
+  DTensors yet), sync mode.
+
+Reported per contender: durable save GB/s (all ranks' bytes over the wall time of the call,
+barrier included), time the training thread is blocked (the call for sync saves; until
+async_save returns for async ones), CPU seconds per GB (all ranks), and load GB/s: same layout,
+and resharded (Shard(1) instead of Shard(0)), with the page cache dropped before each load.
+
+    python benchmarks/bench_dcp.py [--gib 1] [--rounds 3] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+WORLD = 4
+
+
+def _state(gib: float, placement: Any, mesh: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    total = int(gib * (1 << 30)) // 4  # float32 elements
+    cols = 1024
+    rows_total = total // cols
+    sizes = [rows_total // 2, rows_total // 4, rows_total // 8]
+    sizes.append(rows_total - sum(sizes))
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {}
+    for i, rows in enumerate(sizes):
+        rows -= rows % (WORLD * 8)
+        full = torch.randn(rows, cols, generator=g)
+        out[f"layer{i}.weight"] = distribute_tensor(full, mesh, [placement])
+    for i in range(64):  # small tensors, as biases and norms are
+        out[f"norm{i}.weight"] = distribute_tensor(torch.randn(cols, generator=g), mesh, [Shard(0)])
+    return out
+
+
+def _zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.zeros_like(v) for k, v in sd.items()}
+
+
+def _nbytes(sd: dict[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def _drop_caches() -> None:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+def _clear(paths: list[str]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _timed(fn: Any) -> tuple[float, float, float]:
+    """(wall s, blocked s, CPU s of this process) of fn(); fn returns a future or None."""
+    dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    fut = fn()
+    blocked = time.perf_counter() - t0
+    if hasattr(fut, "result"):  # async_save's future (dcp.save returns the metadata)
+        fut.result()
+    dist.barrier()
+    return time.perf_counter() - t0, blocked, time.process_time() - c0
+
+
+def _worker(rank: int, world: int, init: str, args: dict[str, Any], out: Any) -> None:
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    import fastpersist as fp
+    from fastpersist.dcp import Reader, Writer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = _state(args["gib"], Shard(0), mesh)
+    resharded = _zeros_like(_state(args["gib"], Shard(1), mesh))
+    same = _zeros_like(sd)
+    base = args["base"]
+    roots = [os.path.join(base, "root0", "ck"), os.path.join(base, "root1", "ck")]
+    group = dist.new_group(backend="gloo")
+
+    def fs_writer(t: int) -> Any:
+        return FileSystemWriter(roots[0], thread_count=t, sync_files=True)
+
+    contenders: dict[str, Any] = {
+        "fastpersist.dcp": (lambda: dcp.save(sd, storage_writer=Writer(roots)), lambda t: Reader(roots)),
+        "fastpersist.dcp async": (lambda: dcp.async_save(sd, storage_writer=Writer(roots), process_group=group),
+                                  lambda t: Reader(roots)),
+    }
+    for t in args["threads"]:
+        contenders[f"FileSystemWriter t{t}"] = (lambda t=t: dcp.save(sd, storage_writer=fs_writer(t)),
+                                                 lambda t: FileSystemReader(roots[0]))
+    contenders[f"FileSystemWriter t{args['threads'][-1]} async"] = (
+        lambda: dcp.async_save(sd, storage_writer=fs_writer(args["threads"][-1]), process_group=group),
+        lambda t: FileSystemReader(roots[0]))
+    local = {k: v.to_local() for k, v in sd.items()}
+    ck = fp.Checkpointer([os.path.join(base, "root0", "cp"), os.path.join(base, "root1", "cp")], mode="sync")
+
+    def cp_save() -> None:
+        ck.save(0, {"world": world}, rank_state=local)
+
+    results: dict[str, dict[str, list[float]]] = {}
+    names = list(contenders) + ["Checkpointer (rank_state)"]
+    for r in range(args["rounds"]):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            res = results.setdefault(name, {"save": [], "blocked": [], "cpu": [], "load": [], "reshard": []})
+            if rank == 0:
+                _clear(roots + [os.path.join(base, "root0", "cp"), os.path.join(base, "root1", "cp")])
+            dist.barrier()
+            if name.startswith("Checkpointer"):
+                wall, blocked, cpu = _timed(cp_save)
+                if rank == 0:
+                    _drop_caches()
+                lwall = _timed(lambda: ck.load_rank_state(0))[0]
+                rwall = float("nan")
+            else:
+                save, reader = contenders[name]
+                wall, blocked, cpu = _timed(save)
+                if rank == 0:
+                    _drop_caches()
+                lwall = _timed(lambda: dcp.load(same, storage_reader=reader(0)))[0]
+                if rank == 0:
+                    _drop_caches()
+                rwall = _timed(lambda: dcp.load(resharded, storage_reader=reader(0)))[0]
+            cpus: list[Any] = [None] * world
+            dist.all_gather_object(cpus, cpu)
+            res["save"].append(wall)
+            res["blocked"].append(blocked)
+            res["cpu"].append(sum(cpus))
+            res["load"].append(lwall)
+            res["reshard"].append(rwall)
+    ck.close()
+    if rank == 0:
+        out.put((results, _nbytes(sd)))
+    dist.destroy_process_group()
+
+
+def _med(xs: list[float]) -> str:
+    xs = [x for x in xs if x == x]
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", default="1,4", help="FileSystemWriter thread counts")
+    p.add_argument("--dir", default=tempfile.gettempdir())
+    a = p.parse_args(argv)
+    base = tempfile.mkdtemp(prefix="fp-bench-dcp-", dir=a.dir)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    args = {"gib": a.gib, "rounds": a.rounds, "threads": [int(t) for t in a.threads.split(",")], "base": base}
+    try:
+        mp.start_processes(_worker, args=(WORLD, f"file://{base}/rdv", args, q), nprocs=WORLD, start_method="spawn")
+        results, nbytes = q.get(timeout=10)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    gb = nbytes / 1e9
+    cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    print(f"# Sharded state through DCP: {WORLD} gloo ranks, 2 roots on one disk, {nbytes / 2**30:.2f} GiB DTensor "
+          f"state (Shard(0)); {cores} cores; torch {torch.__version__}; {a.rounds} rounds, median [min-max]\n")
+    print("| contender | save GB/s (durable) | blocked s | CPU s / GB | load GB/s | reshard-load GB/s |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {_med([gb / t for t in r['save']])} | {_med(r['blocked'])} | "
+              f"{_med([c / gb for c in r['cpu']])} | {_med([gb / t for t in r['load']])} | "
+              f"{_med([gb / t for t in r['reshard'] if t == t])} |")
+    fs1 = statistics.median(results[f"FileSystemWriter t{args['threads'][0]}"]["save"])
+    best = min(statistics.median(results[f"FileSystemWriter t{t}"]["save"]) for t in args["threads"])
+    fpd = statistics.median(results["fastpersist.dcp"]["save"])
+    print(f"\nfastpersist.dcp save vs FileSystemWriter t{args['threads'][0]}: {fs1 / fpd:.2f}x; vs its best thread "
+          f"count: {best / fpd:.2f}x")
+    r = results["fastpersist.dcp"]
+    print(f"fastpersist.dcp reshard-load / same-layout load: "
+          f"{statistics.median(r['load']) / statistics.median(r['reshard']):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Hugging Face ``Trainer`` checkpoints through a fastpersist Checkpointer.
+
+::
+
+    from fastpersist.integrations.transformers import FastPersistTrainer
+
+    trainer = FastPersistTrainer(model=model, args=TrainingArguments(output_dir, save_steps=1,
+                                 save_total_limit=3, ...), train_dataset=data)
+    trainer.train(resume_from_checkpoint=True)     # the latest committed checkpoint, if any
+
+Every ``save_steps`` the Trainer decides to save (its ``TrainerControl.should_save``, so
+``save_strategy``, ``save_steps`` and callbacks keep their meaning); the checkpoint of the model,
+optimizer, LR scheduler, gradient scaler, ``TrainerState`` (global step, epoch, log history,
+stateful callbacks: the data position follows from it, as in the Trainer) and each rank's RNG
+states is written by one Checkpointer under ``<output_dir>/fastpersist`` (or the roots given),
+in the background by default. ``save_total_limit`` becomes the Checkpointer's ``keep``.
+``resume_from_checkpoint`` takes ``True`` (latest), a step number, or a step directory, and
+restores all of it through the Trainer's own resume sequence, so the data skipping and the
+moment the RNG states are put back are the Trainer's.
+
+Why a subclass: the Trainer has no public hook for where a checkpoint is written or read. A
+callback can veto the Trainer's own save (``control.should_save = False``) and save instead,
+but resuming needs the Trainer's private loaders (``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``) to read from
+fastpersist, and ``_save_checkpoint`` is where the Trainer assembles exactly what it saves.
+The subclass overrides those five methods and ``train``, nothing else; the Trainer's resume
+logic itself (``trainer_state.json`` in the directory it is given) is used as is, from a
+temporary directory holding only that file.
+
+Not supported (a clear error): ``load_best_model_at_end`` and ``save_strategy="best"`` (they
+need the Trainer's checkpoint directories), DeepSpeed and FSDP (sharded state, not yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+
+from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError
+from fastpersist.state import RNGState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FastPersistTrainer"]
+
+
+class FastPersistTrainer(Trainer):
+    """A ``transformers.Trainer`` whose checkpoints are written and read by fastpersist.
+
+    Args:
+        *args: the Trainer's arguments.
+        fastpersist_roots: checkpoint roots (one per SSD); default ``<output_dir>/fastpersist``.
+        fastpersist_mode: the Checkpointer's mode, ``"snapshot"`` (default: save returns once
+            the state is copied, the write overlaps the next steps), ``"overlap"`` or ``"sync"``.
+        fastpersist_kwargs: further :class:`fastpersist.Checkpointer` arguments (``keep_every``,
+            ``snapshot_bytes``, ``config``, ``backend``, ...).
+        **kwargs: the Trainer's keyword arguments.
+
+    Raises:
+        CheckpointError: a Trainer setting this integration cannot honour.
+    """
+
+    def __init__(self, *args: Any, fastpersist_roots: str | Sequence[str] | None = None,
+                 fastpersist_mode: str = "snapshot", fastpersist_kwargs: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _check_supported(self)
+        roots = fastpersist_roots if fastpersist_roots is not None else os.path.join(self.args.output_dir, "fastpersist")
+        self.fastpersist_roots = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
+        self.fastpersist_mode = fastpersist_mode
+        self.fastpersist_kwargs = dict(fastpersist_kwargs or {})
+        self._fp: Checkpointer | None = None
+        self._fp_resume_dir: str | None = None
+        self._fp_loaded: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The Checkpointer (created on first use, on every rank)."""
+        if self._fp is None:
+            kwargs = {"keep": self.args.save_total_limit, **self.fastpersist_kwargs}
+            self._fp = Checkpointer(self.fastpersist_roots, mode=self.fastpersist_mode, **kwargs)
+            if self.fastpersist_mode == "overlap" and self.optimizer is not None:
+                inner: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+                self._fp.protect(inner)
+        return self._fp
+
+    # ------------------------------------------------------------------------------------- save
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Checkpoint the training state as step ``state.global_step`` (in the background)."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        self._export_callback_states()
+        state: dict[str, Any] = {"model": self.model, "trainer_state": _state_json(self.state)}
+        rank_state = None
+        if not self.args.save_only_model:
+            state["optimizer"] = self.optimizer
+            state["scheduler"] = self.lr_scheduler
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler
+            rank_state = {"rng": RNGState()}
+        self.checkpointer.save(self.state.global_step, state, rank_state=rank_state,
+                               metadata={"trainer": "transformers", "global_step": self.state.global_step})
+
+    def _export_callback_states(self) -> None:
+        """Put the stateful callbacks' current state into ``TrainerState`` (as the Trainer does)."""
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+
+    # ------------------------------------------------------------------------------------- resume
+
+    def train(self, resume_from_checkpoint: str | bool | int | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint`` is ``True`` (the latest committed
+        checkpoint), a step number, or a checkpoint's step directory in the first root. The
+        checkpoints in flight are committed, and the roots released, when it returns."""
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            return self._train_and_wait(None, trial, ignore_keys_for_eval, **kwargs)
+        step_dir = self._step_dir(resume_from_checkpoint)
+        self._fp_loaded = self._read(step_dir)
+        self._fp_resume_dir = tempfile.mkdtemp(prefix="fastpersist-resume-")
+        try:
+            with open(os.path.join(self._fp_resume_dir, TRAINER_STATE_NAME), "w") as f:
+                f.write(self._fp_loaded[0]["trainer_state"])
+            return self._train_and_wait(self._fp_resume_dir, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            shutil.rmtree(self._fp_resume_dir, ignore_errors=True)
+            self._fp_resume_dir = None
+            self._fp_loaded = None
+
+    def _train_and_wait(self, resume: str | None, trial: Any, ignore_keys_for_eval: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
+                                 **kwargs)
+        finally:
+            if self._fp is not None:  # commit what is in flight and release the roots' lock
+                fp_, self._fp = self._fp, None
+                fp_.close()
+
+    def _step_dir(self, which: str | bool | int) -> str:
+        """The step directory (first root) of the checkpoint ``which`` names."""
+        if isinstance(which, str) and os.path.isdir(which):
+            return os.path.abspath(which)
+        committed = [c for c in list_checkpoints(os.path.abspath(self.fastpersist_roots[0])) if c.committed]
+        if which is True:
+            latest = [c for c in committed if c.latest] or committed[-1:]
+            if not latest:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.fastpersist_roots[0]} to resume from")
+            return latest[0].path
+        found = [c for c in committed if not isinstance(which, bool) and isinstance(which, int) and c.step == which]
+        if not found:
+            raise CheckpointNotFoundError(
+                f"resume_from_checkpoint={which!r}: no such committed checkpoint in {self.fastpersist_roots[0]} "
+                f"(committed steps: {[c.step for c in committed]})")
+        return found[0].path
+
+    def _read(self, step_dir: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The replicated state and this rank's own state of the checkpoint in ``step_dir``."""
+        others = [os.path.abspath(r) for r in self.fastpersist_roots[1:]]
+        state = load_checkpoint(step_dir, others, map_location="cpu")
+        if "optimizer" not in state:
+            return state, None
+        rank = self.args.process_index
+        logger.info("fastpersist: rank %d resumes from %s", rank, step_dir)
+        return state, load_checkpoint(step_dir, others, rank=rank, map_location="cpu")
+
+    def _loaded(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        if self._fp_loaded is None:
+            raise CheckpointError("fastpersist: no checkpoint is being resumed from")
+        return self._fp_loaded
+
+    def _ours(self, checkpoint: str | None) -> bool:
+        return checkpoint is not None and checkpoint == self._fp_resume_dir and self._fp_loaded is not None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not self._ours(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        target = self.model if model is None else model
+        target.load_state_dict(self._loaded()[0]["model"])
+        return None
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._ours(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        state = self._loaded()[0]
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+        return None
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if not self._ours(checkpoint):
+            return super()._load_scaler(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        state = self._loaded()[0]
+        if scaler is not None and "scaler" in state:
+            scaler.load_state_dict(state["scaler"])
+        return None
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not self._ours(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        own = self._loaded()[1]
+        if own is None:
+            logger.info("fastpersist: the checkpoint holds no RNG state (save_only_model); reproducibility is not "
+                        "guaranteed")
+            return None
+        RNGState().load_state_dict(own["rng"])
+        return None
+
+
+def _state_json(state: Any) -> str:
+    """``TrainerState`` as the JSON text ``TrainerState.save_to_json`` writes."""
+    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+
+
+def _check_supported(trainer: Trainer) -> None:
+    args = trainer.args
+    if args.load_best_model_at_end or str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        raise CheckpointError("FastPersistTrainer does not support load_best_model_at_end or save_strategy='best' "
+                              "(they rely on the Trainer's checkpoint directories); use the plain Trainer for them")
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        raise CheckpointError("FastPersistTrainer does not support DeepSpeed or FSDP yet: their state is sharded "
+                              "over ranks, and fastpersist's sharded-state support is not released")
+    if args.push_to_hub:
+        raise CheckpointError("FastPersistTrainer does not push checkpoints to the Hub (push_to_hub=True)")

@@ -1,0 +1,115 @@
+"""Checking that replicated state is replicated.
+
+``state`` is written once for all ranks, each writer writing its share, so it must hold the same
+bytes on every rank: otherwise the checkpoint would mix the ranks' values without an error.
+Before the commit each rank hashes the replicated bytes it holds (xxh3-64 per storage, in a
+thread that runs while the rank's writes do: xxhash releases the GIL) and the ranks compare the
+digests; a difference fails the save on every rank, naming the first differing tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import xxhash
+
+from fastpersist.errors import ReplicaMismatchError
+from fastpersist.format import torchzip
+from fastpersist.io.buffers import memory_view
+from fastpersist.sharded import Prepared
+
+_DEVICE_CHUNK = 64 << 20  # device storages are hashed through host copies of this size
+
+
+def storage_digest(storage: torch.UntypedStorage) -> int:
+    n = storage.nbytes()
+    if storage.device.type == "cpu":
+        return xxhash.xxh3_64_intdigest(memory_view(storage.data_ptr(), n))
+    h = xxhash.xxh3_64()
+    view = torchzip.byte_view(storage)
+    for start in range(0, n, _DEVICE_CHUNK):
+        h.update(view[start : start + _DEVICE_CHUNK].cpu().numpy().tobytes())
+    return h.intdigest()
+
+
+class ReplicaDigests:
+    """Hashes every storage of ``prepared`` in a background thread; :meth:`result` waits."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        self._storages = list(prepared.storages)
+        self._digests: list[int] = []
+        self._error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="fastpersist-replica-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._digests = [storage_digest(s) for s in self._storages]
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._error = e
+        self.seconds = time.perf_counter() - t0
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> list[int]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._digests
+
+
+def _paths(obj: Any, prefix: str, out: dict[int, str]) -> None:
+    """The first path (``model.layers.0.weight``) at which each storage appears in ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        out.setdefault(obj.untyped_storage().data_ptr(), prefix or "<state>")
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _paths(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _paths(v, f"{prefix}.{i}" if prefix else str(i), out)
+
+
+def storage_name(prepared: Prepared, index: int, state: Any) -> str:
+    """A name for storage ``index``: the key path of a tensor on it, else its index and size."""
+    paths: dict[int, str] = {}
+    _paths(state, "", paths)
+    s = prepared.storages[index]
+    found = paths.get(s.data_ptr()) if s.nbytes() else None
+    return f"state[{found!r}]" if found else f"storage #{index} ({s.nbytes()} bytes)"
+
+
+def check_replicas(step: int, digests: Sequence[list[int] | None], prepared: Prepared, state: Any) -> None:
+    """Raise :class:`ReplicaMismatchError` (on every rank alike: every rank sees every rank's
+    digests) if some rank's replicated bytes differ from the lowest rank's."""
+    base = digests[0]
+    if base is None:
+        return
+    first: int | None = None
+    ranks: list[int] = []
+    for r, d in enumerate(digests[1:], start=1):
+        if d is None or d == base:
+            continue
+        i = next(k for k, (a, b) in enumerate(zip(base, d)) if a != b)
+        if first is None or i < first:
+            first = i
+        ranks.append(r)
+    if first is None:
+        return
+    name = storage_name(prepared, first, state)
+    raise ReplicaMismatchError(
+        f"checkpoint step {step}: the replicated state holds different values on different ranks: {name} on "
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} differs from rank 0 (and so may "
+        "more). `state` is written once for all ranks, so nothing was committed. If this state is sharded "
+        "(ZeRO, FSDP, tensor parallel) or otherwise per rank, pass each rank's part as rank_state=...; if the "
+        "ranks really should agree, they have diverged. Jobs that guarantee replication can skip this check "
+        "with Checkpointer(check_replicated=False)",
+        name, ranks,
+    )

@@ -1,0 +1,236 @@
+"""Reading checkpoints without side effects: ``fastpersist.open(roots)``.
+
+A :class:`CheckpointView` lists, loads, verifies and describes the checkpoints under a set of
+roots. It never creates a directory, takes a lock, writes a byte or needs a process group, so
+it is what the command line, a notebook, an evaluation job or a second process should use
+while (or after) a job writes there. The :class:`~fastpersist.Checkpointer` reads through one.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastpersist import catalog, sharded, timeline
+from fastpersist.config import IOConfig, get_config
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from fastpersist.format import manifest as mf
+from fastpersist.state import restore_into
+
+logger = logging.getLogger(__name__)
+
+Roots = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint found in the roots (see :meth:`CheckpointView.list`).
+
+    ``abandoned``: a later commit of a smaller or equal step started a new timeline (the job
+    resumed from an older checkpoint); see :mod:`fastpersist.timeline`.
+    """
+
+    step: int
+    path: str
+    committed: bool
+    latest: bool = False
+    nbytes: int = 0
+    files: int = 0
+    created: float = 0.0
+    world_size: int = 0
+    objects: tuple[str, ...] = field(default_factory=tuple)
+    abandoned: bool = False
+    sequence: int = 0
+
+
+def root_list(roots: Roots) -> list[str]:
+    paths = [roots] if isinstance(roots, (str, os.PathLike)) else list(roots)
+    if not paths:
+        raise ValueError("roots: at least one root directory is needed")
+    for p in paths:
+        if not isinstance(p, (str, os.PathLike)):
+            raise TypeError(f"roots: expected paths, got a {type(p).__name__}")
+    return [os.path.abspath(os.fspath(p)) for p in paths]
+
+
+def _resolve(root: str, step: int | str) -> int:
+    if step == "latest":
+        found = catalog.read_latest(root)
+        if found is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {root}")
+        return found
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an integer or 'latest', got {step!r}")
+    if step < 0:
+        raise ValueError(f"step must be a non-negative integer or 'latest', got {step}")
+    return step
+
+
+def _current_rank() -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CheckpointView:
+    """Read-only access to the checkpoints under ``roots`` (the Checkpointer's roots, in order).
+
+    Args:
+        roots: one directory or a list, as given to the Checkpointer that wrote them.
+        config: I/O settings for reading (default: the process-wide configuration).
+
+    Example::
+
+        ckpts = fastpersist.open(["/nvme0/run1", "/nvme1/run1"])
+        for info in ckpts.list():
+            print(info.step, info.latest, info.abandoned)
+        state = ckpts.load("latest", map_location="cpu")
+    """
+
+    def __init__(self, roots: Roots, *, config: IOConfig | None = None) -> None:
+        self.roots = root_list(roots)
+        self._config = config
+
+    @property
+    def config(self) -> IOConfig:
+        return self._config or get_config()
+
+    def latest_step(self) -> int | None:
+        """The most recently committed step (see :mod:`fastpersist.timeline`), or None."""
+        return catalog.read_latest(self.roots[0])
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        """Every checkpoint in the first root, committed or not, by step."""
+        return list_checkpoints(self.roots[0])
+
+    def manifest(self, step: int | str = "latest") -> mf.Manifest:
+        s = _resolve(self.roots[0], step)
+        return catalog.read_manifest(os.path.join(self.roots[0], catalog.step_dir(s)))
+
+    def metadata(self, step: int | str = "latest") -> dict[str, Any]:
+        """The ``metadata`` passed to ``save()`` for ``step``."""
+        return dict(self.manifest(step).user)
+
+    def _dirs(self, step: int | str) -> tuple[builtins.list[str], mf.Manifest]:
+        manifest = self.manifest(step)
+        name = catalog.step_dir(manifest.step)
+        return [os.path.join(r, name) for r in self.roots], manifest
+
+    def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
+             map_location: Any = None, weights_only: bool = True, verify: bool | None = None) -> Any:
+        """Load the replicated state of ``step`` (default: the latest commit), at any world size.
+
+        Args:
+            step: a step number or ``"latest"``.
+            into: a dict of live objects (modules, optimizers, dicts...) restored in place from
+                the entries of the same keys, through ``load_state_dict``.
+            map_location: as in ``torch.load``.
+            weights_only: use torch's restricted unpickler (the default); ``False`` only for
+                checkpoints you trust.
+            verify: check every checksum (default: the configuration's, on).
+
+        Returns:
+            The loaded state.
+
+        Raises:
+            CheckpointNotFoundError: no such (committed) checkpoint.
+            CheckpointReadError: the checkpoint is damaged, or cannot be read or rebuilt.
+        """
+        dirs, manifest = self._dirs(step)
+        return load_object(dirs, manifest, mf.REPLICATED, into, map_location, weights_only, verify, self.config)
+
+    def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
+                        rank: int | None = None, map_location: Any = None, weights_only: bool = True,
+                        verify: bool | None = None) -> Any:
+        """Load the ``rank_state`` that ``rank`` saved (default: this process's rank, or 0)."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"rank must be an integer, got {type(rank).__name__} {rank!r}")
+        if rank is not None and rank < 0:
+            raise ValueError(f"rank must be non-negative, got {rank}")
+        dirs, manifest = self._dirs(step)
+        name = mf.rank_object(_current_rank() if rank is None else rank)
+        return load_object(dirs, manifest, name, into, map_location, weights_only, verify, self.config)
+
+    def verify(self, step: int | str = "latest") -> builtins.list[sharded.Problem]:
+        """Read every byte of ``step`` and check every checksum; the problems found (empty: OK)."""
+        dirs, manifest = self._dirs(step)
+        return sharded.verify(dirs, manifest)[0]
+
+
+def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping[str, Any] | None,
+                map_location: Any, weights_only: bool, verify: bool | None, config: IOConfig) -> Any:
+    """Read one object of a checkpoint; every failure is a :class:`CheckpointError`."""
+    do_verify = config.verify if verify is None else verify
+    where = dirs[0]
+    try:
+        obj = sharded.read_object(dirs, manifest, name, map_location=map_location, weights_only=weights_only,
+                                  verify=do_verify, config=config)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointReadError(f"{where}: cannot read checkpoint step {manifest.step}: "
+                                  f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from e
+    except Exception as e:  # torch's loader: a map_location it cannot honour, a damaged pickle...
+        raise CheckpointReadError(f"{where}: cannot rebuild object {name!r} of checkpoint step {manifest.step}: "
+                                  f"{type(e).__name__}: {e}") from e
+    if into is not None:
+        restore_into(obj, into, where)
+    return obj
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """The checkpoints under ``root`` (the first root of a Checkpointer), by step."""
+    root = os.path.abspath(os.fspath(root))
+    out: list[CheckpointInfo] = []
+    manifests: dict[int, mf.Manifest] = {}
+    for e in catalog.scan(root):
+        if not e.committed:
+            out.append(CheckpointInfo(e.step, e.path, False))
+            continue
+        try:
+            manifests[e.step] = catalog.read_manifest(e.path)
+        except CheckpointError as err:
+            logger.warning("%s", err)
+            out.append(CheckpointInfo(e.step, e.path, False))
+            continue
+        out.append(CheckpointInfo(e.step, e.path, True))
+    commits = [timeline.Commit(s, m.sequence, m.created) for s, m in manifests.items()]
+    dead = timeline.abandoned_steps(commits)
+    latest = catalog.read_latest(root)
+    result = []
+    for info in out:
+        m = manifests.get(info.step)
+        if m is None:
+            result.append(info)
+            continue
+        result.append(CheckpointInfo(info.step, info.path, True, info.step == latest, m.nbytes, len(m.files),
+                                     m.created, m.world_size, tuple(sorted(m.objects)), info.step in dead,
+                                     m.sequence))
+    return result
+
+
+def load_checkpoint(path: str | os.PathLike[str], other_roots: Sequence[str | os.PathLike[str]] = (), *,
+                    rank: int | None = None, map_location: Any = None, weights_only: bool = True,
+                    verify: bool | None = None, config: IOConfig | None = None) -> Any:
+    """Load a checkpoint from its directory in the first root, without a Checkpointer.
+
+    ``other_roots`` are the checkpoint's other roots, in order (their directory of the same
+    name is used). ``rank`` selects a rank's own state instead of the replicated one.
+    """
+    first = os.path.abspath(os.fspath(path))
+    name = os.path.basename(first.rstrip(os.sep))
+    dirs = [first] + [os.path.join(os.path.abspath(os.fspath(r)), name) for r in other_roots]
+    manifest = catalog.read_manifest(first)
+    obj = mf.REPLICATED if rank is None else mf.rank_object(rank)
+    return load_object(dirs, manifest, obj, None, map_location, weights_only, verify, config or get_config())
+
+
+def open(roots: Roots, *, config: IOConfig | None = None) -> CheckpointView:  # noqa: A001 - fastpersist.open
+    """Read-only access to the checkpoints under ``roots``; see :class:`CheckpointView`."""
+    return CheckpointView(roots, config=config)

@@ -1,0 +1,91 @@
+"""An accelerate training loop for the integration tests (tiny random-init MLP with dropout).
+
+    python tests/integration_accelerate_child.py DIR KILL_STEP [REFERENCE_DIR]
+
+Trains STEPS steps (shuffled data, dropout, AdamW, a step LR schedule, a registered custom
+object), a checkpoint every step through AcceleratorCheckpointer, resuming from DIR/ckpt when
+a checkpoint is there. Rank 0 appends "STEP LOSS_HEX" to DIR/losses-<pid>.txt. KILL_STEP > 0:
+the writer thread SIGKILLs the process on its second write request of that step's checkpoint.
+With REFERENCE_DIR, an uninterrupted run follows in the same process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch import nn
+
+from fastpersist.config import IOConfig
+from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.integrations.accelerate import AcceleratorCheckpointer
+
+STEPS = 8
+
+
+class Counter:
+    """A custom object registered for checkpointing."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = int(state["seen"])
+
+
+def run(d: str, kill_step: int) -> None:
+    set_seed(0)
+    # a seedable sampler draws its order from (seed, epoch), not from the global RNG (as accelerate
+    # itself needs for an exact resume of a shuffled loader)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{kill_step:08d}")] if kill_step > 0 else []
+    ckpt = AcceleratorCheckpointer(accelerator, os.path.join(d, "ckpt"), keep=2, backend=FaultyBackend(faults),
+                                   config=IOConfig(chunk_bytes=64 * 1024, num_buffers=2))
+    latest = ckpt.latest_step()
+    start = 0 if latest is None else latest + 1
+    if latest is not None:
+        ckpt.load_state(latest, load_rng=False)
+        if counter.seen != start:
+            raise RuntimeError(f"the registered object was not restored: {counter.seen} != {start}")
+    out = os.path.join(d, f"losses-{os.getpid()}.txt")
+    for step, (x,) in enumerate(accelerator.skip_first_batches(loader, start), start):
+        if step == start and latest is not None:
+            ckpt.load_rng_state(latest)  # after the loader drew its seed, as the first run did
+        if step >= STEPS:
+            break
+        loss = nn.functional.mse_loss(model(x), x.flip(-1))
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.seen += 1
+        if accelerator.is_main_process:
+            with open(out, "a") as f:
+                f.write(f"{step} {loss.item().hex()}\n")
+        ckpt.save_state(step)
+    ckpt.close()
+
+
+def main() -> None:
+    run(sys.argv[1], int(sys.argv[2]))
+    if len(sys.argv) > 3:
+        run(sys.argv[3], 0)
+
+
+if __name__ == "__main__":
+    main()

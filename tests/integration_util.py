@@ -1,0 +1,62 @@
+"""Helpers shared by the integration tests: run a training child, read its losses."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
+
+
+def require(module: str) -> None:
+    """Skip the test when the framework ``module`` is not installed (the integrations extra)."""
+    pytest.importorskip(module)
+
+
+def run_child(script: str, args: list[str], *, killed: bool = False, timeout: float = 180.0) -> None:
+    """Run ``tests/<script> args`` in a new session; check it finished, or died by SIGKILL.
+
+    A killed child's other processes (a ddp peer waiting in a collective) are killed with it.
+    """
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONHASHSEED="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, script), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    expected = -signal.SIGKILL if killed else 0
+    if proc.returncode != expected:
+        raise AssertionError(f"{script} {args} exited with {proc.returncode}, expected {expected}:\n{out[-4000:]}")
+
+
+def read_losses(directory: str) -> list[dict[int, str]]:
+    """Every run's losses in ``directory`` (losses-<pid>.txt), oldest run first: step -> hex."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(directory, "losses-*.txt")), key=os.path.getmtime):
+        with open(path) as f:
+            runs.append({int(s): v for s, v in (line.split() for line in f if line.strip())})
+    return runs
+
+
+def check_resumed(reference: dict[int, str], killed: dict[int, str], resumed: dict[int, str],
+                  resumed_from: int, last: int) -> None:
+    """The killed run matched the reference up to its death; the resumed run starts at
+    ``resumed_from`` and matches the reference, bit for bit, through step ``last``."""
+    assert killed, "the killed run logged no loss"
+    assert {s: reference[s] for s in killed} == killed
+    assert min(resumed) == resumed_from, f"resumed at step {min(resumed)}, expected {resumed_from}"
+    assert max(resumed) == last
+    assert len(resumed) == last - resumed_from + 1
+    mismatched = [s for s in resumed if resumed[s] != reference[s]]
+    assert not mismatched, f"losses differ from the uninterrupted run at steps {mismatched}"

@@ -1,0 +1,45 @@
+"""accelerate through AcceleratorCheckpointer: a real training loop (dropout, shuffled seedable
+loader, scheduler, registered custom object) killed with SIGKILL in the middle of writing a
+checkpoint, resumed, and compared loss by loss with an uninterrupted run; FSDP is refused."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import fastpersist as fp
+from integration_util import check_resumed, read_losses, require, run_child
+
+CHILD = "integration_accelerate_child.py"
+STEPS = 8
+KILL = 4
+
+require("accelerate")
+
+
+def test_kill_and_resume_is_exact(tmp_path) -> None:
+    run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
+    run_dir.mkdir(), ref_dir.mkdir()
+    run_child(CHILD, [str(run_dir), str(KILL)], killed=True)
+    listed = {c.step: c.committed for c in fp.list_checkpoints(str(run_dir / "ckpt"))}
+    assert listed == {KILL - 2: True, KILL - 1: True, KILL: False}  # killed while writing step KILL
+    run_child(CHILD, [str(run_dir), "0", str(ref_dir)])  # resume, then the uninterrupted run
+    (reference,) = read_losses(str(ref_dir))
+    killed, resumed = read_losses(str(run_dir))
+    assert sorted(reference) == list(range(STEPS))
+    check_resumed(reference, killed, resumed, KILL, STEPS - 1)
+    state = fp.load_checkpoint(str(run_dir / "ckpt" / f"step-{STEPS - 1:08d}"))
+    assert {"model_0", "optimizer_0", "scheduler_0", "custom_0", "step"} <= set(state)
+    assert state["custom_0"] == {"seen": STEPS}
+
+
+def test_fsdp_is_refused_before_anything_is_written(tmp_path) -> None:
+    from accelerate.utils import DistributedType
+
+    from fastpersist.integrations.accelerate import AcceleratorCheckpointer
+
+    fake = types.SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(fp.CheckpointError, match="sharded"):
+        AcceleratorCheckpointer(fake, str(tmp_path / "ckpt"))  # type: ignore[arg-type]
+    assert not (tmp_path / "ckpt").exists()

@@ -1,0 +1,83 @@
+"""Lightning through fastpersist's CheckpointIO plugins: real Trainer runs in child processes,
+killed with SIGKILL in the middle of writing a checkpoint, resumed, and compared loss by loss
+with an uninterrupted run (ddp over gloo with 2 processes; one process under -m long)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fastpersist as fp
+from integration_util import check_resumed, read_losses, require, run_child
+
+CHILD = "integration_lightning_child.py"
+STEPS = 8
+KILL = 4  # the checkpoint of global step 4 is being written when the process dies
+
+require("lightning")
+
+
+def _reference(d: str, devices: int) -> dict[int, str]:
+    """An uninterrupted run, checkpointing through the single-file format."""
+    run_child(CHILD, [d, str(STEPS), str(devices), "file", "0", "none"])
+    (losses,) = read_losses(d)
+    assert sorted(losses) == list(range(STEPS))
+    return losses
+
+
+def _kill_and_resume(d: str, devices: int) -> tuple[dict[int, str], dict[int, str]]:
+    ckpt = os.path.join(d, "ckpt")
+    run_child(CHILD, [d, str(STEPS), str(devices), "async", str(KILL), "none"], killed=True)
+    # Killed mid-write: the checkpoint of step KILL exists only uncommitted in the staging root,
+    # and the checkpoint Lightning resumes from (last.ckpt) is the one before it.
+    staged = [(c.step, c.committed) for c in fp.list_checkpoints(os.path.join(ckpt, ".fastpersist-staging"))]
+    assert staged == [(2 * (KILL - 1), False)]
+    assert not os.path.exists(os.path.join(ckpt, f"step={KILL}.ckpt"))
+    assert fp.load_checkpoint(_committed(os.path.join(ckpt, "last.ckpt")), weights_only=False)["global_step"] == KILL - 1
+    # Lightning's own ckpt_path="last" lookup: it must not pick the partial directory
+    run_child(CHILD, [d, str(STEPS), str(devices), "async", "0", "last"])
+    killed, resumed = read_losses(d)
+    return killed, resumed
+
+
+def _committed(path: str) -> str:
+    (info,) = [c for c in fp.list_checkpoints(path) if c.committed]
+    return info.path
+
+
+def _check_file_format(d: str) -> None:
+    """Every kept single-file checkpoint is a file torch.load reads, equal to what
+    fastpersist.load reads, and save_top_k removed the others."""
+    ckpt = os.path.join(d, "ckpt")
+    assert sorted(os.listdir(ckpt)) == ["last.ckpt", f"step={STEPS - 1}.ckpt", f"step={STEPS}.ckpt"]
+    plain = torch.load(os.path.join(ckpt, "last.ckpt"), weights_only=False)
+    assert plain["global_step"] == STEPS
+    fast = fp.load(os.path.join(ckpt, f"step={STEPS}.ckpt"), weights_only=False)
+    assert fast.keys() == plain.keys() and fast["global_step"] == STEPS
+    for k, v in plain["state_dict"].items():
+        assert torch.equal(fast["state_dict"][k], v)
+    for k, v in plain["optimizer_states"][0]["state"][0].items():
+        assert torch.equal(fast["optimizer_states"][0]["state"][0][k], v)
+
+
+def test_ddp_gloo_kill_and_resume_is_exact(tmp_path) -> None:
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir(), run_dir.mkdir()
+    reference = _reference(str(ref_dir), 2)
+    _check_file_format(str(ref_dir))
+    killed, resumed = _kill_and_resume(str(run_dir), 2)
+    check_resumed(reference, killed, resumed, KILL - 1, STEPS - 1)
+    # save_top_k=2 with removal through the async plugin: two step checkpoints and last
+    assert sorted(os.listdir(run_dir / "ckpt")) == ["last.ckpt", f"step={STEPS - 1}.ckpt", f"step={STEPS}.ckpt"]
+
+
+@pytest.mark.long
+def test_single_process_kill_and_resume_is_exact(tmp_path) -> None:
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir(), run_dir.mkdir()
+    reference = _reference(str(ref_dir), 1)
+    _check_file_format(str(ref_dir))
+    killed, resumed = _kill_and_resume(str(run_dir), 1)
+    check_resumed(reference, killed, resumed, KILL - 1, STEPS - 1)

@@ -1,0 +1,36 @@
+"""Hugging Face Trainer through FastPersistTrainer: a real Trainer run (tiny GPT-2 with dropout)
+killed with SIGKILL in the middle of writing a checkpoint, resumed from the latest committed
+one, and compared loss by loss with an uninterrupted run; save_total_limit keeps working."""
+
+from __future__ import annotations
+
+import os
+
+import fastpersist as fp
+from integration_util import check_resumed, read_losses, require, run_child
+
+CHILD = "integration_transformers_child.py"
+STEPS = 8
+KILL = 4
+
+require("transformers")
+require("accelerate")
+
+
+def test_kill_and_resume_is_exact(tmp_path) -> None:
+    run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
+    run_dir.mkdir(), ref_dir.mkdir()
+    root = str(run_dir / "fastpersist")
+    run_child(CHILD, [str(run_dir), str(KILL), "0"], killed=True)
+    listed = {c.step: c.committed for c in fp.list_checkpoints(root)}
+    assert listed == {KILL - 2: True, KILL - 1: True, KILL: False}  # killed while writing step KILL
+    run_child(CHILD, [str(run_dir), "0", "1", str(ref_dir)])  # resume, then the uninterrupted run
+    (reference,) = read_losses(str(ref_dir))
+    killed, resumed = read_losses(str(run_dir))
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    check_resumed(reference, killed, resumed, KILL, STEPS)
+    # save_total_limit=2: the last two, committed; the partial one was cleaned by the resumed run
+    assert [(c.step, c.committed) for c in fp.list_checkpoints(root)] == [(STEPS - 1, True), (STEPS, True)]
+    state = fp.load_checkpoint(os.path.join(root, f"step-{STEPS:08d}"))
+    assert set(state) == {"model", "optimizer", "scheduler", "trainer_state"}
+    assert '"global_step": 8' in state["trainer_state"]

@@ -537,3 +537,26 @@ def test_torch_internals_are_checked(monkeypatch):
     finally:
         monkeypatch.undo()
         _torch.check.cache_clear()
+
+
+def test_eio_on_read_names_the_file_and_storage(tmp_path):
+    """Loads go through the file seam too: an I/O error in a data read names the file, the
+    storage and the step; the checkpoint is fine once the fault is gone."""
+    backend = FaultyBackend()
+    ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync", backend=backend)
+    ck.save(1, replicated(1, SMALL))
+    backend.arm([Fault("read", errno.EIO, at=2, path_contains="replicated-0000.bin")])  # 1: the open
+    with pytest.raises(fp.CheckpointReadError, match=r"replicated-0000\.bin.*Input/output error.*storage.*step 1"):
+        ck.load(1)
+    backend.arm([])
+    assert_state_equal(ck.load(1), replicated(1, SMALL))
+    ck.close()
+
+
+def test_single_file_load_reads_through_the_seam(tmp_path):
+    path = tmp_path / "m.pt"
+    fp.save(replicated(1, SMALL), path)
+    backend = FaultyBackend([Fault("read", errno.EIO, at=1)])
+    with pytest.raises(fp.CheckpointReadError, match="m.pt"):
+        fp.load(path, backend=backend)
+    assert backend.fired and backend.fired[0][0] == "read"

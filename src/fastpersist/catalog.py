@@ -27,7 +27,6 @@ from fastpersist.commit import TEMP_MARKER, temp_path_for
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
-from fastpersist.io.files import read_small_file
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ def _is_regular(path: str) -> bool:
         return False
 
 
-def read_manifest(step_path: str) -> mf.Manifest:
+def read_manifest(step_path: str, backend: FileBackend | None = None) -> mf.Manifest:
     """The parsed manifest of the checkpoint in ``step_path`` (its directory in the first root).
 
     The manifest must be a regular file, not a link, at most ``MAX_MANIFEST_BYTES``; it is
@@ -91,7 +90,7 @@ def read_manifest(step_path: str) -> mf.Manifest:
     """
     path = os.path.join(step_path, mf.MANIFEST_NAME)
     try:
-        raw = read_small_file(path, mf.MAX_MANIFEST_BYTES, "manifest")
+        raw = (backend or FileBackend()).read_small(path, mf.MAX_MANIFEST_BYTES, "manifest")
     except CheckpointNotFoundError as e:
         if os.path.isdir(step_path):
             raise CheckpointNotFoundError(
@@ -129,7 +128,7 @@ def _read_hint(root: str) -> int | None:
     """The step the ``latest`` pointer names, if it is a small regular file naming one."""
     path = os.path.join(root, LATEST)
     try:
-        raw = read_small_file(path, MAX_LATEST_BYTES, "latest pointer")
+        raw = FileBackend().read_small(path, MAX_LATEST_BYTES, "latest pointer")
         return parse_step_dir(raw.decode("ascii").strip())
     except CheckpointNotFoundError:
         return None

@@ -181,7 +181,7 @@ class Checkpointer:
         self.check_replicated = bool(check_replicated)
         self.backend = backend or FileBackend()
         self._config = config
-        self._view = CheckpointView(self.roots, config=config)
+        self._view = CheckpointView(self.roots, config=config, backend=self.backend)
         self._arena = Arena(snapshot_bytes)
         self._protected: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []

@@ -8,7 +8,8 @@ job does when a disk fills up or a rank dies in the middle of a checkpoint::
     ckpt = fastpersist.Checkpointer(roots, backend=backend)
 
 A :class:`Fault` matches an operation (``open``, ``write``, ``fsync``, ``rename``, ``delete``
-(unlink, rmdir, rmtree), ``list`` (a directory listing), ``lock`` (the root lock), or a protocol
+(unlink, rmdir, rmtree), ``list`` (a directory listing), ``lock`` (the root lock), ``read``
+(opening a checkpoint file for reading, and each read request), or a protocol
 ``event`` from :data:`fastpersist.io.backend.PROTOCOL_POINTS`), optionally only on one rank, one
 root, or paths containing a string, and fires on the ``at``-th matching call (0: every call).
 It then sleeps ``delay_s``, and raises ``OSError(errno)``, or kills the process with SIGKILL.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from fastpersist.io.backend import PROTOCOL_POINTS, FileBackend
 
-OPS = ("open", "write", "fsync", "rename", "delete", "list", "lock", "event")
+OPS = ("open", "write", "fsync", "rename", "delete", "list", "lock", "read", "event")
 
 
 @dataclass
@@ -121,3 +122,6 @@ class FaultyBackend(FileBackend):
 
     def before_lock(self, path: str) -> None:
         self._hit("lock", None, path)
+
+    def before_read(self, path: str, offset: int | None, nbytes: int | None) -> None:
+        self._hit("read", None, path)

@@ -44,8 +44,8 @@ from fastpersist.format import manifest as mf
 from fastpersist.format import references, skeleton, torchzip
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, BufferPool, align_up, memory_view, shared_pool
-from fastpersist.io.files import DirectFile, file_size, preallocate, read_exact
-from fastpersist.io.reader import ReadRequest, allocate, read_into
+from fastpersist.io.files import DirectFile, file_size, preallocate
+from fastpersist.io.reader import ReadFailedError, ReadRequest, allocate, read_into
 from fastpersist.io.writer import Piece, write_pieces
 from fastpersist.plan import Extent
 
@@ -247,9 +247,10 @@ def check_unverified(dirs: Sequence[str], manifest: mf.Manifest) -> None:
         )
 
 
-def open_file(dirs: Sequence[str], manifest: mf.Manifest, index: int, direct: str) -> DirectFile:
+def open_file(dirs: Sequence[str], manifest: mf.Manifest, index: int, direct: str,
+              backend: FileBackend | None = None) -> DirectFile:
     """Open file ``index`` of the checkpoint: a regular file, not a link, at least its listed size."""
-    file = _open_listed(dirs, manifest, index, direct)
+    file = _open_listed(dirs, manifest, index, direct, backend)
     try:
         check_size(file, manifest, index)
     except BaseException:
@@ -258,10 +259,11 @@ def open_file(dirs: Sequence[str], manifest: mf.Manifest, index: int, direct: st
     return file
 
 
-def _open_listed(dirs: Sequence[str], manifest: mf.Manifest, index: int, direct: str) -> DirectFile:
+def _open_listed(dirs: Sequence[str], manifest: mf.Manifest, index: int, direct: str,
+                 backend: FileBackend | None = None) -> DirectFile:
     path = _file_path(dirs, manifest, index)
     try:
-        return DirectFile.open_for_read(path, direct)
+        return (backend or FileBackend()).open_read(path, direct)
     except CheckpointNotFoundError as e:
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint lists it, the directory lacks it") from e
 
@@ -283,7 +285,7 @@ def read_skeleton(path: str, file: DirectFile, manifest: mf.Manifest, name: str,
     if file_size(file.fd) != size:
         raise CorruptCheckpointError(f"{path}: the skeleton file is {file_size(file.fd)} bytes, the manifest "
                                      f"says {size}")
-    raw = read_exact(file.fd, path, entry.skeleton.offset, size)
+    raw = file.read_exact(entry.skeleton.offset, size)
     if verify and xxhash.xxh3_64_intdigest(raw) != entry.skeleton.checksum:
         raise ChecksumMismatchError(f"{path}: the skeleton of object {name!r} fails its checksum; the file is corrupt")
     small = skeleton.decode(path, raw)
@@ -368,7 +370,7 @@ def _read_plan(entry: mf.ObjectEntry) -> tuple[list[int], int, dict[int, list[tu
 
 
 def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_location: Any,
-                weights_only: bool, verify: bool, config: IOConfig) -> Any:
+                weights_only: bool, verify: bool, config: IOConfig, backend: FileBackend | None = None) -> Any:
     """Read, verify and rebuild object ``name`` of a checkpoint whose directories are ``dirs``.
 
     Every file is opened (regular, not a link, at least its listed size) and the skeleton is
@@ -384,7 +386,7 @@ def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_lo
     files: dict[int, DirectFile] = {}
     try:
         for index in _needed_files(manifest, [name]):
-            files[index] = open_file(dirs, manifest, index, config.direct)
+            files[index] = open_file(dirs, manifest, index, config.direct, backend)
         sk = entry.skeleton.file
         small = read_skeleton(_file_path(dirs, manifest, sk), files[sk], manifest, name, verify)
         bases, size, reads = _read_plan(entry)
@@ -392,7 +394,10 @@ def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_lo
         addr = buf.data_ptr()
         by_file = {f: [ReadRequest(off, n, addr + at, cap, fresh=True) for off, n, at, cap in rs]
                    for f, rs in reads.items()}
-        _read_files(files, by_file, config)
+        try:
+            _read_files(files, by_file, config)
+        except ReadFailedError as e:  # name what lies where the read failed
+            raise _name_failed_read(e, dirs, manifest, name, files) from e
     finally:
         for file in files.values():
             file.close()
@@ -402,6 +407,17 @@ def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_lo
     offsets = {f"data/{s.key}": base + shift for s, base in zip(entry.storages, bases)}
     return skeleton.rebuild(_manifest_path(dirs), skeleton.ArchiveView(small, offsets), buf.untyped_storage(),
                             map_location, weights_only)
+
+
+def _name_failed_read(e: ReadFailedError, dirs: Sequence[str], manifest: mf.Manifest, name: str,
+                      files: dict[int, DirectFile]) -> CheckpointReadError:
+    """The read error with the storages whose bytes lie in the failed range."""
+    index = next((i for i, f in files.items() if f.path == e.path), None)
+    keys = [s.key for s in manifest.objects[name].storages for x in s.extents
+            if x.file == index and x.offset < e.offset + e.nbytes and e.offset < x.offset + x.nbytes]
+    what = f"object {name!r} storage{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys[:5]))}" if keys else \
+        f"object {name!r}"
+    return CheckpointReadError(f"{e} ({what} of checkpoint step {manifest.step})")
 
 
 def _read_files(files: dict[int, DirectFile], by_file: dict[int, list[ReadRequest]], config: IOConfig) -> None:
@@ -456,7 +472,8 @@ class Problem:
         return f"{self.path}: {self.what}{at}: {self.message}"
 
 
-def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20) -> tuple[list[Problem], int]:
+def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20,
+           backend: FileBackend | None = None) -> tuple[list[Problem], int]:
     """Run every check :func:`read_object` runs, on every object, and read every byte the
     manifest lists; never stops at the first problem and never raises. Returns the problems
     and the number of bytes verified.
@@ -472,7 +489,7 @@ def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20) ->
     try:
         for i in _needed_files(manifest, list(manifest.objects)):
             path = _collect(problems, manifest.files[i].name, "file", lambda i=i: _file_path(dirs, manifest, i))
-            file = path and _collect(problems, path, "file", lambda i=i: _open_listed(dirs, manifest, i, "off"))
+            file = path and _collect(problems, path, "file", lambda i=i: _open_listed(dirs, manifest, i, "off", backend))
             if file:  # a truncated file stays open: what it still holds is checked, the rest named
                 files[i] = file
                 _collect(problems, path, "file", lambda i=i, file=file: check_size(file, manifest, i))
@@ -542,6 +559,6 @@ def _hash_range(file: DirectFile, path: str, e: mf.ExtentEntry, chunk: int) -> i
     done = 0
     while done < e.nbytes:
         n = min(chunk, e.nbytes - done)
-        h.update(read_exact(file.fd, path, e.offset + done, n))
+        h.update(file.read_exact(e.offset + done, n))
         done += n
     return h.intdigest()

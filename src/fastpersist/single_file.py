@@ -32,7 +32,7 @@ from fastpersist.errors import (
 from fastpersist.format import integrity, references, skeleton, torchzip
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import align_down, align_up, memory_view, shared_pool
-from fastpersist.io.files import DirectFile, file_size, preallocate, pwrite_all, read_exact
+from fastpersist.io.files import DirectFile, file_size, preallocate, pwrite_all
 from fastpersist.io.reader import ReadRequest, allocate, read_into
 from fastpersist.io.writer import Piece, write_pieces
 
@@ -106,11 +106,11 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
                  "O_DIRECT" if file_direct else "buffered", seconds)
 
 
-def _open_for_read(path: str, cfg: IOConfig) -> DirectFile:
+def _open_for_read(path: str, cfg: IOConfig, backend: FileBackend) -> DirectFile:
     """The file the caller named (a link the caller named is followed; it must end at a regular
     file: a FIFO, device or directory is refused without blocking)."""
     try:
-        return DirectFile.open_for_read(path, cfg.direct, follow=True)
+        return backend.open_read(path, cfg.direct, follow=True)
     except CheckpointNotFoundError as e:
         raise CheckpointNotFoundError(f"no checkpoint at {path}: the file does not exist") from e
 
@@ -123,7 +123,7 @@ def _limit(name: str) -> int:
     return torchzip.MAX_SMALL_RECORD_BYTES
 
 
-def _read_small(path: str, fd: int, records: dict[str, torchzip.Record]) -> dict[str, bytes]:
+def _read_small(path: str, file: DirectFile, records: dict[str, torchzip.Record]) -> dict[str, bytes]:
     """Every record that is not a storage, each bounded by its documented limit."""
     small = {}
     for r in records.values():
@@ -132,7 +132,7 @@ def _read_small(path: str, fd: int, records: dict[str, torchzip.Record]) -> dict
         if r.nbytes > _limit(r.name):
             raise CorruptCheckpointError(f"{path}: record {r.name!r} is {r.nbytes} bytes, more than such a "
                                          f"record may be ({_limit(r.name)}); the file is damaged")
-        small[r.name] = read_exact(fd, path, r.offset, r.nbytes)
+        small[r.name] = file.read_exact(r.offset, r.nbytes)
     return small
 
 
@@ -148,12 +148,12 @@ def _read_storages(path: str, file: DirectFile, records: dict[str, torchzip.Reco
     return region, base
 
 
-def _read(path: str, cfg: IOConfig) -> tuple[dict[str, torchzip.Record], dict[str, bytes], torch.Tensor, int]:
-    file = _open_for_read(path, cfg)
+def _read(path: str, cfg: IOConfig,
+          backend: FileBackend) -> tuple[dict[str, torchzip.Record], dict[str, bytes], torch.Tensor, int]:
+    file = _open_for_read(path, cfg, backend)
     try:
-        fd = file.fd
-        records = torchzip.read_directory(path, lambda off, n: read_exact(fd, path, off, n), file_size(fd))
-        small = _read_small(path, fd, records)
+        records = torchzip.read_directory(path, file.read_exact, file_size(file.fd))
+        small = _read_small(path, file, records)
         region, base = _read_storages(path, file, records, cfg)
     except OSError as e:
         raise CheckpointReadError(f"reading {path} failed: {e.strerror or e}") from e
@@ -169,6 +169,7 @@ def load(
     weights_only: bool = True,
     verify: bool | None = None,
     config: IOConfig | None = None,
+    backend: FileBackend | None = None,
 ) -> Any:
     """Load a file written by :func:`save` (or by ``torch.save``).
 
@@ -179,12 +180,13 @@ def load(
     CRC-32s of its zip directory; a file that carries neither raises
     :class:`UnverifiedCheckpointError` unless ``verify=False``.
 
-    Every failure is a :class:`CheckpointError` naming the file and the cause.
+    Every failure is a :class:`CheckpointError` naming the file and the cause. ``backend`` is
+    the file seam (default: real files).
     """
     cfg = config or get_config()
     path = os.fspath(path)
     do_verify = cfg.verify if verify is None else verify
-    records, small, region, base = _read(path, cfg)
+    records, small, region, base = _read(path, cfg, backend or FileBackend())
     if do_verify:
         integrity.check(path, records, small, _record_bytes(records, small, region, base), cfg.reader_threads)
     sizes = {n[len("data/"):]: r.nbytes for n, r in records.items() if n.startswith("data/")}

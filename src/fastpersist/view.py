@@ -19,6 +19,7 @@ from fastpersist import catalog, sharded, timeline
 from fastpersist.config import IOConfig, get_config
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from fastpersist.format import manifest as mf
+from fastpersist.io.backend import FileBackend
 from fastpersist.state import restore_into
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class CheckpointView:
     Args:
         roots: one directory or a list, as given to the Checkpointer that wrote them.
         config: I/O settings for reading (default: the process-wide configuration).
+        backend: the file seam (default: real files; see :mod:`fastpersist.faults`).
 
     Example::
 
@@ -93,9 +95,10 @@ class CheckpointView:
         state = ckpts.load("latest", map_location="cpu")
     """
 
-    def __init__(self, roots: Roots, *, config: IOConfig | None = None) -> None:
+    def __init__(self, roots: Roots, *, config: IOConfig | None = None, backend: FileBackend | None = None) -> None:
         self.roots = root_list(roots)
         self._config = config
+        self.backend = backend or FileBackend()
 
     @property
     def config(self) -> IOConfig:
@@ -111,7 +114,7 @@ class CheckpointView:
 
     def manifest(self, step: int | str = "latest") -> mf.Manifest:
         s = _resolve(self.roots[0], step)
-        return catalog.read_manifest(os.path.join(self.roots[0], catalog.step_dir(s)))
+        return catalog.read_manifest(os.path.join(self.roots[0], catalog.step_dir(s)), self.backend)
 
     def metadata(self, step: int | str = "latest") -> dict[str, Any]:
         """The ``metadata`` passed to ``save()`` for ``step``."""
@@ -143,7 +146,8 @@ class CheckpointView:
             CheckpointReadError: the checkpoint is damaged, or cannot be read or rebuilt.
         """
         dirs, manifest = self._dirs(step)
-        return load_object(dirs, manifest, mf.REPLICATED, into, map_location, weights_only, verify, self.config)
+        return load_object(dirs, manifest, mf.REPLICATED, into, map_location, weights_only, verify, self.config,
+                           self.backend)
 
     def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,
@@ -155,22 +159,24 @@ class CheckpointView:
             raise ValueError(f"rank must be non-negative, got {rank}")
         dirs, manifest = self._dirs(step)
         name = mf.rank_object(_current_rank() if rank is None else rank)
-        return load_object(dirs, manifest, name, into, map_location, weights_only, verify, self.config)
+        return load_object(dirs, manifest, name, into, map_location, weights_only, verify, self.config,
+                           self.backend)
 
     def verify(self, step: int | str = "latest") -> builtins.list[sharded.Problem]:
         """Read every byte of ``step`` and check every checksum; the problems found (empty: OK)."""
         dirs, manifest = self._dirs(step)
-        return sharded.verify(dirs, manifest)[0]
+        return sharded.verify(dirs, manifest, backend=self.backend)[0]
 
 
 def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping[str, Any] | None,
-                map_location: Any, weights_only: bool, verify: bool | None, config: IOConfig) -> Any:
+                map_location: Any, weights_only: bool, verify: bool | None, config: IOConfig,
+                backend: FileBackend | None = None) -> Any:
     """Read one object of a checkpoint; every failure is a :class:`CheckpointError`."""
     do_verify = config.verify if verify is None else verify
     where = dirs[0]
     try:
         obj = sharded.read_object(dirs, manifest, name, map_location=map_location, weights_only=weights_only,
-                                  verify=do_verify, config=config)
+                                  verify=do_verify, config=config, backend=backend)
     except CheckpointError:
         raise
     except OSError as e:
@@ -231,6 +237,7 @@ def load_checkpoint(path: str | os.PathLike[str], other_roots: Sequence[str | os
     return load_object(dirs, manifest, obj, None, map_location, weights_only, verify, config or get_config())
 
 
-def open(roots: Roots, *, config: IOConfig | None = None) -> CheckpointView:  # noqa: A001 - fastpersist.open
+def open(roots: Roots, *, config: IOConfig | None = None,  # noqa: A001 - fastpersist.open
+         backend: FileBackend | None = None) -> CheckpointView:
     """Read-only access to the checkpoints under ``roots``; see :class:`CheckpointView`."""
-    return CheckpointView(roots, config=config)
+    return CheckpointView(roots, config=config, backend=backend)

@@ -15,7 +15,8 @@ import shutil
 import sys
 from collections.abc import Callable
 
-from fastpersist.io.files import DirectFile, fsync_dir
+from fastpersist.errors import CheckpointReadError
+from fastpersist.io.files import DirectFile, fsync_dir, read_small_file
 
 
 # Points of the save protocol where :meth:`FileBackend.event` is called, in order. A crash test
@@ -58,6 +59,10 @@ class FileBackend:
     def before_lock(self, path: str) -> None:
         """Called before the root lock is taken."""
 
+    def before_read(self, path: str, offset: int | None, nbytes: int | None) -> None:
+        """Called before a checkpoint file is opened for reading (offset None) and before each
+        read request (by reader threads)."""
+
     # The operations.
 
     def open(self, path: str, flags: int, direct: str, root: int) -> DirectFile:
@@ -65,6 +70,24 @@ class FileBackend:
         file = DirectFile(path, flags, direct)
         file.on_write = lambda offset, nbytes: self.before_write(root, path, offset, nbytes)
         return file
+
+    def open_read(self, path: str, direct: str, *, follow: bool = False) -> DirectFile:
+        """Open a checkpoint file for reading (a regular file; a link only if ``follow``)."""
+        self._hook_read(path)
+        file = DirectFile.open_for_read(path, direct, follow=follow)
+        file.on_read = lambda offset, nbytes: self.before_read(path, offset, nbytes)
+        return file
+
+    def read_small(self, path: str, limit: int, what: str, *, follow: bool = False) -> bytes:
+        """The whole of a small file (a manifest, ``latest``), at most ``limit`` bytes."""
+        self._hook_read(path)
+        return read_small_file(path, limit, what, follow=follow)
+
+    def _hook_read(self, path: str) -> None:
+        try:
+            self.before_read(path, None, None)
+        except OSError as e:
+            raise CheckpointReadError(f"cannot open {path}: {e.strerror or e}") from e
 
     def fsync(self, file: DirectFile) -> None:
         self.before_fsync(file.path)

@@ -62,6 +62,8 @@ class DirectFile:
         # Called as on_write(offset, nbytes) by writer threads before each write request: the
         # seam for throttled and fault-injecting backends (see fastpersist.io.backend).
         self.on_write = on_write
+        # Called as on_read(offset, nbytes) before each read request (the read side of the seam).
+        self.on_read: Callable[[int, int], None] | None = None
         self.fd = os.open(path, flags | os.O_CLOEXEC, mode)
         self.direct_fd = -1
         self._direct_ok = False
@@ -90,7 +92,7 @@ class DirectFile:
         no link followed unless ``follow``), with an O_DIRECT descriptor of the same file where
         the filesystem allows it."""
         self = cls.__new__(cls)
-        self.path, self.on_write, self.direct_fd, self._direct_ok = path, None, -1, False
+        self.path, self.on_write, self.on_read, self.direct_fd, self._direct_ok = path, None, None, -1, False
         self.fd = open_regular(path, follow=follow)
         if direct == "off" or not O_DIRECT:
             return self
@@ -108,6 +110,12 @@ class DirectFile:
             return self
         self.direct_fd, self._direct_ok = dfd, True
         return self
+
+    def read_exact(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` at ``offset`` through the buffered descriptor (see :func:`read_exact`)."""
+        if self.on_read is not None:
+            self.on_read(offset, nbytes)
+        return read_exact(self.fd, self.path, offset, nbytes)
 
     @property
     def is_direct(self) -> bool:

@@ -76,6 +76,8 @@ def _jobs(requests: Sequence[ReadRequest], file: DirectFile, chunk: int) -> list
 
 
 def _run(file: DirectFile, job: _Job) -> None:
+    if file.on_read is not None:
+        file.on_read(job.offset, job.nbytes)
     view = memory_view(job.addr, job.span)
     got = -1
     if job.direct and file.is_direct:
@@ -163,6 +165,15 @@ def _guarded(file: DirectFile, job: _Job) -> None:
     except CheckpointReadError:
         raise
     except OSError as e:
-        raise CheckpointReadError(
-            f"reading {file.path} failed at offset {job.offset} ({job.nbytes} bytes): {e.strerror or e}"
+        raise ReadFailedError(
+            f"reading {file.path} failed at offset {job.offset} ({job.nbytes} bytes): {e.strerror or e}",
+            file.path, job.offset, job.nbytes,
         ) from e
+
+
+class ReadFailedError(CheckpointReadError):
+    """A read request failed (an I/O error): where, so a caller can name what lies there."""
+
+    def __init__(self, message: str, path: str, offset: int, nbytes: int) -> None:
+        super().__init__(message)
+        self.path, self.offset, self.nbytes = path, offset, nbytes

@@ -15,6 +15,8 @@ from fastpersist.errors import (
     UnsaveableObjectError,
     UnsupportedFormatError,
     UnsupportedTorchError,
+    UnsafeFileError,
+    UnverifiedCheckpointError,
 )
 from fastpersist.handle import SaveHandle, SaveMetrics
 from fastpersist.single_file import load, save
@@ -43,6 +45,8 @@ __all__ = [
     "UnsaveableObjectError",
     "UnsupportedFormatError",
     "UnsupportedTorchError",
+    "UnsafeFileError",
+    "UnverifiedCheckpointError",
     "configure",
     "get_config",
     "list_checkpoints",

@@ -64,7 +64,7 @@ def save_records(obj: object, writer: Any, pickle_module: Any, protocol: int) ->
     torch.serialization._save(obj, writer, pickle_module, protocol, False)
 
 
-def load_records(archive: Any, map_location: Any, pickle_module: Any, overall_storage: torch.UntypedStorage) -> Any:
+def load_records(archive: Any, map_location: Any, pickle_module: Any, overall_storage: torch.UntypedStorage | None) -> Any:
     """``torch.serialization._load`` over an archive view whose storages are slices of
     ``overall_storage`` (no copy)."""
     check()

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fastpersist import _torch
 from fastpersist.errors import CheckpointReadError, CorruptCheckpointError
 from fastpersist.format import zipdir
 
@@ -79,7 +80,7 @@ def serialize(obj: object, protocol: int = 2) -> tuple[dict[str, bytes], list[st
     records = {
         "data.pkl": buf.getvalue(),
         ".format_version": b"1",
-        ".storage_alignment": str(torch.serialization._get_storage_alignment()).encode(),
+        ".storage_alignment": str(_torch.storage_alignment()).encode(),
         "byteorder": sys.byteorder.encode(),
     }
     return records, list(keys.values()), storages
@@ -146,11 +147,9 @@ def rebuild(path: str, archive: ArchiveView, storage: torch.UntypedStorage | Non
     goes wrong inside torch's loader (a damaged pickle or small record) is a
     :class:`CheckpointReadError` naming ``path``.
     """
-    pickle_module: Any = torch._weights_only_unpickler if weights_only else pickle
+    pickle_module: Any = _torch.weights_only_unpickler() if weights_only else pickle
     try:
-        return torch.serialization._load(
-            archive, map_location, pickle_module, overall_storage=storage, encoding="utf-8"
-        )
+        return _torch.load_records(archive, map_location, pickle_module, storage)
     except pickle.UnpicklingError as e:
         if weights_only:
             raise CheckpointReadError(

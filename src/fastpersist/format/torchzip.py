@@ -19,10 +19,12 @@ import os
 import pickle
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xxhash
 
+from fastpersist import _torch
 from fastpersist.errors import CorruptCheckpointError, UnsaveableObjectError, UnsupportedFormatError
 from fastpersist.format import jsondoc, zipdir
 
@@ -118,7 +120,7 @@ class _Recorder:
     alignment actually used, so torch's offset arithmetic on load stays right.
     """
 
-    def __init__(self, real: torch._C.PyTorchFileWriter, sink: _Sink) -> None:
+    def __init__(self, real: Any, sink: _Sink) -> None:  # real: torch._C.PyTorchFileWriter
         self._real = real
         self._sink = sink
         self.storages: list[StorageRecord] = []
@@ -149,10 +151,10 @@ def layout(obj: object, pickle_protocol: int = 2) -> Layout:
     Raises :class:`UnsaveableObjectError` when torch's serializer rejects the object.
     """
     sink = _Sink()
-    real = torch._C.PyTorchFileWriter(sink, False, STORAGE_ALIGNMENT)  # no CRC32: xxh3 instead
+    real = _torch.file_writer(sink, False, STORAGE_ALIGNMENT)  # no CRC32: xxh3 instead
     rec = _Recorder(real, sink)
     try:
-        torch.serialization._save(obj, rec, pickle, pickle_protocol, False)
+        _torch.save_records(obj, rec, pickle, pickle_protocol)
     except Exception as e:
         raise UnsaveableObjectError(f"the object cannot be serialized: {type(e).__name__}: {e}") from e
     body_end = sink.pos

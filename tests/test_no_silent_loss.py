@@ -560,3 +560,13 @@ def test_single_file_load_reads_through_the_seam(tmp_path):
     with pytest.raises(fp.CheckpointReadError, match="m.pt"):
         fp.load(path, backend=backend)
     assert backend.fired and backend.fired[0][0] == "read"
+
+
+def test_ls_shows_abandoned_checkpoints(tmp_path, capsys):
+    from fastpersist.cli import main
+
+    root = str(tmp_path / "ck")
+    _timeline(0, 1, root, "keep")
+    assert main(["ls", root]) == 0
+    rows = {int(line.split()[0]): line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows == {5: "committed", 6: "committed", 7: "latest", 9: "abandoned", 10: "abandoned"}

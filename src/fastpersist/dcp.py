@@ -73,7 +73,7 @@ from fastpersist.errors import (
 )
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, memory_view, shared_pool
-from fastpersist.io.files import DirectFile, preallocate
+from fastpersist.io.files import preallocate
 from fastpersist.io.reader import ReadRequest, read_into
 from fastpersist.io.writer import Piece, write_pieces
 from fastpersist.view import root_list
@@ -342,15 +342,18 @@ class Reader(StorageReader):
         roots: as given to the Writer (``checkpoint_id`` works the same way).
         config: I/O settings (default: the process-wide configuration).
         verify: check every item's checksum (default: the configuration's, on).
+        backend: the file seam (default: real files).
     """
 
     def __init__(self, roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
-                 config: IOConfig | None = None, verify: bool | None = None) -> None:
+                 config: IOConfig | None = None, verify: bool | None = None,
+                 backend: FileBackend | None = None) -> None:
         super().__init__()
         self._roots = root_list(roots)
         self.dirs = list(self._roots)
         self._config = config
         self._verify = verify
+        self.backend = backend or FileBackend()
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -358,18 +361,11 @@ class Reader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(self.dirs[0], METADATA_NAME)
-        try:
-            with open(path, "rb") as f:
-                if not os.path.isfile(path):
-                    raise CorruptCheckpointError(f"{path} is not a regular file")
-                raw = f.read(_MAX_METADATA + 1)
-        except FileNotFoundError as e:
+        try:  # a regular file, not a link, FIFO or device, at most _MAX_METADATA bytes
+            raw = self.backend.read_small(path, _MAX_METADATA, "DCP metadata file")
+        except CheckpointNotFoundError as e:
             raise CheckpointNotFoundError(f"no committed fastpersist.dcp checkpoint at {self.dirs[0]} "
                                           f"(no {METADATA_NAME})") from e
-        except OSError as e:
-            raise CheckpointReadError(f"cannot read {path}: {e.strerror or e}") from e
-        if len(raw) > _MAX_METADATA:
-            raise CorruptCheckpointError(f"{path} is larger than {_MAX_METADATA} bytes")
         try:
             metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
         except Exception as e:
@@ -428,12 +424,10 @@ class Reader(StorageReader):
             base = align_up(pos) + offset % ALIGN
             bases.append(base)
             pos = base + n
-        try:
-            file = DirectFile(path, os.O_RDONLY, cfg.direct)
-        except FileNotFoundError as e:
+        try:  # a regular file, not a link (never blocks on a FIFO)
+            file = self.backend.open_read(path, cfg.direct)
+        except CheckpointNotFoundError as e:
             raise CorruptCheckpointError(f"{path}: a data file of the checkpoint is missing") from e
-        except OSError as e:
-            raise CheckpointReadError(f"cannot open {path}: {e.strerror or e}") from e
         try:
             size = os.fstat(file.fd).st_size
             if size < end:

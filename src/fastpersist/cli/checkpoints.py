@@ -7,8 +7,9 @@ import datetime
 import os
 import sys
 
+import fastpersist
 from fastpersist import catalog, sharded
-from fastpersist.checkpointer import list_checkpoints, load_checkpoint
+from fastpersist.view import load_checkpoint
 from fastpersist.errors import CheckpointError
 from fastpersist.single_file import load, save
 
@@ -32,13 +33,13 @@ def ls_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fastpersist ls", description="list the checkpoints under a root")
     p.add_argument("root", help="the first root of a Checkpointer (holds the manifests and `latest`)")
     args = p.parse_args(argv)
-    infos = list_checkpoints(args.root)
+    infos = fastpersist.open(args.root).list()  # read-only: creates nothing, takes no lock
     if not infos:
         print(f"no checkpoints in {args.root}")
         return 0
     print(f"{'step':>10}  {'state':<10} {'size':>10}  {'files':>5}  {'ranks':>5}  created")
     for i in infos:
-        state = ("latest" if i.latest else "committed") if i.committed else "incomplete"
+        state = ("latest" if i.latest else "abandoned" if i.abandoned else "committed") if i.committed else "incomplete"
         created = _when(i.created)
         print(f"{i.step:>10}  {state:<10} {_size(i.nbytes) if i.committed else '-':>10}  "
               f"{i.files if i.committed else '-':>5}  {i.world_size if i.committed else '-':>5}  {created}")

@@ -424,8 +424,13 @@ class Reader(StorageReader):
             base = align_up(pos) + offset % ALIGN
             bases.append(base)
             pos = base + n
+        # Reading a slice of an item (resharding) means other ranks of this node likely read the
+        # rest of the same bytes: buffered reads let them share the page cache, where O_DIRECT
+        # would read the bytes from the disk once per rank (measured: reshard-load 0.23 GB/s).
+        partial = any(list(i.lengths) != list(loc.shape or ()) for i, loc in zip(items, locs)
+                      if i.type != LoadItemType.BYTE_IO)
         try:  # a regular file, not a link (never blocks on a FIFO)
-            file = self.backend.open_read(path, cfg.direct)
+            file = self.backend.open_read(path, "off" if partial else cfg.direct)
         except CheckpointNotFoundError as e:
             raise CorruptCheckpointError(f"{path}: a data file of the checkpoint is missing") from e
         try:

@@ -66,7 +66,22 @@ def readonly_fs(tmp_path) -> Iterator[str]:
 
 
 def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+    """This process's open descriptors, each as fd number and what it points to (so a
+    descriptor another thread opened and closed meanwhile, reusing a number, is told apart)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # closed while listing
+            pass
+    return out
+
+
+def fds_under(path: str) -> list[str]:
+    """Open descriptors of this process on files under ``path`` (a leak's OS-level symptom;
+    unlike a count of all descriptors it ignores what other threads of the suite hold)."""
+    real = os.path.realpath(path)
+    return [f for f in open_fds() if f.split(" -> ", 1)[-1].startswith(real)]
 
 
 @pytest.fixture

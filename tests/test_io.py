@@ -16,7 +16,7 @@ from fastpersist.io.files import DirectFile
 from fastpersist.io.reader import ReadRequest, read_into
 from fastpersist.io.writer import Piece, _WriterThreads, write_pieces
 
-from conftest import open_fds, supports_direct
+from conftest import fds_under, supports_direct
 
 KiB = 1024
 
@@ -113,10 +113,9 @@ def test_enospc_names_the_file_and_returns_buffers(small_fs, small_io):
     pool = BufferPool(small_io.chunk_bytes, small_io.num_buffers, pin=False)
     t = _bytes_tensor(12_000_000, 5)
     path = os.path.join(small_fs, "big")
-    before = open_fds()
     with pytest.raises(CheckpointWriteError, match=r"big.*No space left"):
         _write(path, [Piece(0, 100, data=b"h" * 100), Piece(4096, t.numel(), tensor=t)], small_io, pool)
-    assert open_fds() <= before
+    assert fds_under(small_fs) == []
     got = [pool.acquire(timeout=1) for _ in range(pool._created)]
     assert len(got) == pool._created, "every staging buffer must return to the pool after a failure"
 

@@ -12,7 +12,7 @@ import fastpersist as fp
 from fastpersist.config import IOConfig
 from fastpersist.format import torchzip
 
-from conftest import open_fds
+from conftest import fds_under
 
 
 def _equal(a: object, b: object) -> bool:
@@ -296,11 +296,10 @@ def test_missing_directory(tmp_path, small_io):
 
 
 def test_read_only_directory(readonly_fs, small_io):
-    before = open_fds()
     with pytest.raises(fp.CheckpointWriteError, match="cannot create"):
         fp.save({"t": torch.ones(2)}, os.path.join(readonly_fs, "x.pt"), config=small_io)
     assert os.listdir(readonly_fs) == []
-    assert open_fds() <= before, "no file descriptor may leak from a failed save"
+    assert fds_under(readonly_fs) == [], "no file descriptor may leak from a failed save"
 
 
 def test_full_filesystem_keeps_earlier_file(small_fs, small_io):
@@ -308,12 +307,11 @@ def test_full_filesystem_keeps_earlier_file(small_fs, small_io):
     path = os.path.join(small_fs, "x.pt")
     early = {"t": torch.randn(1000)}
     fp.save(early, path, config=small_io)
-    before = open_fds()
     with pytest.raises(fp.CheckpointWriteError, match="x.pt"):
         fp.save({"t": torch.randn(3_000_000)}, path, config=small_io)  # 12 MB into 8 MiB
     assert sorted(os.listdir(small_fs)) == ["x.pt"], "no temporary file may be left behind"
     assert _equal(fp.load(path, config=small_io), early)
-    assert open_fds() <= before
+    assert fds_under(small_fs) == []
 
 
 def test_full_filesystem_during_data_writes(small_fs, small_io, monkeypatch):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import math
 import os
 import queue
 import secrets
@@ -718,21 +717,19 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None
     try:
         text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as e:
-        bad = next((k for k, v in metadata.items() if not _json_ok(k, v)), None)
+        bad = next((k for k, v in metadata.items() if not _json_ok(v)), None)
         where = f" (key {bad!r})" if bad is not None else ""
         raise TypeError(f"metadata must hold JSON values (str keys; str, int, finite float, bool, None, lists, "
                         f"dicts){where}: {e}") from e
     return dict(json.loads(text))
 
 
-def _json_ok(key: object, value: object) -> bool:
-    if not isinstance(key, str):
-        return False
+def _json_ok(value: object) -> bool:
     try:
-        json.dumps(value, allow_nan=False)
+        json.dumps(value, allow_nan=False)  # refuses NaN and infinities too
     except (TypeError, ValueError):
         return False
-    return not (isinstance(value, float) and not math.isfinite(value))
+    return True
 
 
 def _at_exit(fn: Any, *args: Any) -> None:

@@ -73,16 +73,15 @@ from fastpersist.errors import (
 )
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, memory_view, shared_pool
-from fastpersist.io.files import preallocate
 from fastpersist.io.reader import ReadRequest, read_into
-from fastpersist.io.writer import Piece, write_pieces
+from fastpersist.io.writer import Piece
+from fastpersist.sharded import lane_config, place, write_new_file
 from fastpersist.view import root_list
 
 logger = logging.getLogger(__name__)
 
 METADATA_NAME = ".metadata"
 _SUFFIX = ".fpdcp"
-_PHASE_MIN = 64 * 1024  # items at least this large keep their memory's 4 KiB phase in the file
 _MAX_METADATA = 1 << 30  # bytes: a metadata file larger than this is refused
 
 
@@ -208,12 +207,7 @@ class Writer(StorageWriter):
             keep.append(data)
             n = len(data) if isinstance(data, bytes) else data.numel()
             on_cpu = isinstance(data, torch.Tensor) and data.device.type == "cpu"
-            if on_cpu and n >= _PHASE_MIN:
-                phase = data.data_ptr() % ALIGN  # type: ignore[union-attr]
-                offset = pos - pos % ALIGN + phase
-                pos = offset if offset >= pos else offset + ALIGN
-            else:
-                pos = align_up(pos, 64)
+            pos = place(pos, n, data.data_ptr() if on_cpu else None)  # type: ignore[union-attr]
             if isinstance(data, bytes):
                 pieces.append(Piece(pos, n, data=data, tag=i))
             elif on_cpu:
@@ -222,21 +216,9 @@ class Writer(StorageWriter):
                 pieces.append(Piece(pos, n, tensor=data, tag=i))
             placed.append((item, pos, n, dtype, shape))
             pos += n
-        try:
-            file = self.backend.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.direct, k)
-        except OSError as e:
-            raise CheckpointWriteError(f"cannot create {path}: {e.strerror or e}") from e
-        try:
-            preallocate(file.fd, pos)
-            pool = shared_pool(max(ALIGN, cfg.chunk_bytes // lanes // ALIGN * ALIGN), cfg.num_buffers, lane=k)
-            digests = write_pieces(file, pieces, cfg, pool)
-            self.backend.fsync(file)
-        except CheckpointWriteError:
-            raise
-        except OSError as e:
-            raise CheckpointWriteError(f"writing {path} failed: {e.strerror or e}") from e
-        finally:
-            file.close()
+        lane = lane_config(cfg, lanes)
+        pool = shared_pool(lane.chunk_bytes, lane.num_buffers, lane=k)
+        digests = write_new_file(path, pieces, pos, k, self.backend, lane, pool)
         out = []
         for i, (item, offset, n, dtype, shape) in enumerate(placed):
             digest = digests.get(i, xxhash.xxh3_64_intdigest(b"")) if n else xxhash.xxh3_64_intdigest(b"")
@@ -301,10 +283,10 @@ def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
 
     out: list[list[WriteItem]] = [[] for _ in range(bins)]
     load = [0] * bins
-    for item in sorted(items, key=size, reverse=True):
+    for n, item in sorted(((size(i), i) for i in items), key=lambda p: p[0], reverse=True):
         k = load.index(min(load))
         out[k].append(item)
-        load[k] += size(item)
+        load[k] += n
     return out
 
 

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -112,12 +112,7 @@ def _placement(prepared: Prepared, extents: Sequence[Extent]) -> tuple[list[Piec
     for k, e in enumerate(extents):
         storage = prepared.storages[e.storage]
         on_cpu = storage.device.type == "cpu"
-        if e.nbytes >= _PHASE_MIN:
-            phase = ((storage.data_ptr() + e.start) % ALIGN) if on_cpu else 0
-            offset = pos - pos % ALIGN + phase
-            pos = offset if offset >= pos else offset + ALIGN
-        else:  # packed, on element-safe boundaries: a reader can map them straight from one read
-            pos = align_up(pos, _ELEMENT_ALIGN)
+        pos = place(pos, e.nbytes, storage.data_ptr() + e.start if on_cpu else None)
         if on_cpu:  # host memory is described by its address (the Prepared keeps it alive)
             pieces.append(Piece(pos, e.nbytes, tag=k, addr=storage.data_ptr() + e.start))
         else:
@@ -127,10 +122,33 @@ def _placement(prepared: Prepared, extents: Sequence[Extent]) -> tuple[list[Piec
     return pieces, placed, pos
 
 
+def place(pos: int, nbytes: int, addr: int | None) -> int:
+    """The file offset, at or after ``pos``, for ``nbytes`` of memory at ``addr`` (None: not
+    host memory). A large piece of host memory keeps its 4 KiB phase, so its middle goes to the
+    device with O_DIRECT without a copy (at most ALIGN - 1 bytes of padding); a large device
+    piece starts aligned; small pieces are packed on element-safe boundaries (a reader can map
+    them straight from one read)."""
+    if nbytes < _PHASE_MIN:
+        return align_up(pos, _ELEMENT_ALIGN)
+    offset = pos - pos % ALIGN + (addr % ALIGN if addr is not None else 0)
+    return offset if offset >= pos else offset + ALIGN
+
+
 def write_file(prepared: Prepared, extents: Sequence[Extent], root: int, path: str,
                backend: FileBackend, config: IOConfig, pool: BufferPool) -> FileReport:
     """Write one slot's extents to a new file at ``path`` and fsync it."""
     pieces, placed, size = _placement(prepared, extents)
+    digests = write_new_file(path, pieces, size, root, backend, config, pool)
+    return FileReport(
+        prepared.name, root, os.path.basename(path), size,
+        tuple(PlacedExtent(e.storage, e.start, e.nbytes, off, digests[k]) for k, (e, off) in enumerate(placed)),
+    )
+
+
+def write_new_file(path: str, pieces: Sequence[Piece], size: int, root: int, backend: FileBackend,
+                   config: IOConfig, pool: BufferPool) -> dict[Hashable, int]:
+    """Create ``path`` (``size`` bytes, preallocated), write ``pieces`` through the pipelined
+    engine and fsync it; returns the tagged pieces' checksums. Errors name the file."""
     try:
         file = backend.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, config.direct, root)
     except OSError as e:
@@ -145,10 +163,7 @@ def write_file(prepared: Prepared, extents: Sequence[Extent], root: int, path: s
         raise CheckpointWriteError(f"writing {path} failed: {e.strerror or e}") from e
     finally:
         file.close()
-    return FileReport(
-        prepared.name, root, os.path.basename(path), size,
-        tuple(PlacedExtent(e.storage, e.start, e.nbytes, off, digests[k]) for k, (e, off) in enumerate(placed)),
-    )
+    return digests
 
 
 def lane_config(config: IOConfig, lanes: int) -> IOConfig:

@@ -90,8 +90,7 @@ class CheckpointView:
     Example::
 
         ckpts = fastpersist.open(["/nvme0/run1", "/nvme1/run1"])
-        for info in ckpts.list():
-            print(info.step, info.latest, info.abandoned)
+        live = [info.step for info in ckpts.list() if info.committed and not info.abandoned]
         state = ckpts.load("latest", map_location="cpu")
     """
 

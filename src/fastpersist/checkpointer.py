@@ -39,13 +39,14 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastpersist import catalog, sharded, timeline
+from fastpersist import catalog, dtensor, sharded, timeline
 from fastpersist.config import IOConfig, get_config
 from fastpersist.dist import Comm, agree, default_comm, host_name, writer_ranks
 from fastpersist.errors import CheckpointerClosedError, CheckpointError, CheckpointWriteError
@@ -69,7 +70,7 @@ __all__ = ["CheckpointInfo", "Checkpointer", "list_checkpoints", "load_checkpoin
 @dataclass
 class _Written:
     reports: list[sharded.FileReport]
-    objects: dict[str, tuple[list[str], list[int]]]  # objects whose skeleton this rank wrote
+    objects: dict[str, tuple[list[str], list[int], list[mf.TensorEntry]]]  # objects whose skeleton this rank wrote
     digests: list[int] | None = None  # per replicated storage, for the replica check
 
 
@@ -90,6 +91,7 @@ class _Job:
     inline: bool = False  # save() waits for the commit: the state was not copied
     number: int = 0  # this Checkpointer's n-th queued save (the same on every rank)
     prepared: tuple[sharded.Prepared, sharded.Prepared | None] | None = None  # pickled at save time
+    shards: list[dtensor.LocalShard] | None = None  # this rank's chunks of the state's DTensors
 
 
 class Checkpointer:
@@ -251,9 +253,9 @@ class Checkpointer:
         tensors = []
         for opt in self._protected:
             for group in opt.param_groups:
-                tensors += [p for p in group["params"] if isinstance(p, torch.Tensor)]
+                tensors += [dtensor.local(p) for p in group["params"] if isinstance(p, torch.Tensor)]
             for st in opt.state.values():
-                tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+                tensors += [dtensor.local(v) for v in st.values() if isinstance(v, torch.Tensor)]
         return guarded_storages(tensors)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -308,7 +310,13 @@ class Checkpointer:
             return handle
         saveable = to_saveable(state)
         own = to_saveable(rank_state) if rank_state is not None else None
-        job = _Job(step, saveable, own, meta, handle, t0)
+        shards: list[dtensor.LocalShard] = []
+        if dtensor.holds_dtensors(saveable):
+            saveable, shards = dtensor.split(saveable)
+        if own is not None and dtensor.holds_dtensors(own):
+            raise ValueError("rank_state holds DTensors: pass sharded state (DTensors) in `state`; fastpersist "
+                             "writes each rank's shards and reshards them at load")
+        job = _Job(step, saveable, own, meta, handle, t0, shards=shards)
         job.inline = self.mode == "sync" or not self._stage(job)
         if not job.inline and not job.live:
             handle._set_staged()
@@ -364,13 +372,15 @@ class Checkpointer:
         live = self._guarded() if self.mode == "overlap" else set()
         objs = [job.state] + ([job.rank_state] if job.rank_state is not None else [])
         scans = [scan(o) for o in objs]
+        local = [sh.tensor for sh in job.shards or []]
+        shard_storages = scan(local)[1]
         if not all(is_plain for is_plain, _ in scans):
             rep = sharded.prepare(mf.REPLICATED, job.state)
             own = sharded.prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
             job.prepared = (rep, own)
-            storages = rep.storages + (own.storages if own else [])
+            storages = rep.storages + (own.storages if own else []) + shard_storages
         else:
-            storages = [s for _, found in scans for s in found]
+            storages = [s for _, found in scans for s in found] + shard_storages
         need = copy_bytes(storages, live)
         if not self._arena.fits(need):
             logger.info("checkpoint step %d needs %.1f MiB of snapshot memory, over the budget of %.1f MiB: "
@@ -383,12 +393,18 @@ class Checkpointer:
             if job.prepared is not None:
                 pos, copied = capture_storages(job.prepared[0].storages, live, arena)
                 if job.prepared[1] is not None:
-                    copied += capture_storages(job.prepared[1].storages, live, arena, pos)[1]
+                    pos, more = capture_storages(job.prepared[1].storages, live, arena, pos)
+                    copied += more
             else:
                 job.state, pos, copied = capture(job.state, live, arena)
                 if job.rank_state is not None:
-                    job.rank_state, _, more = capture(job.rank_state, live, arena, pos)
+                    job.rank_state, pos, more = capture(job.rank_state, live, arena, pos)
                     copied += more
+            if local:
+                captured, _, more = capture(local, live, arena, pos)
+                copied += more
+                for sh, t in zip(job.shards or [], captured):
+                    sh.tensor = t
         except BaseException:
             self._release(job)
             raise
@@ -462,7 +478,7 @@ class Checkpointer:
             job.handle._set_staged()
             raise
         rep, own = job.prepared  # type: ignore[misc]
-        out_of_step = [r for r, p in enumerate(proposals) if p[2:] != proposals[0][2:]]
+        out_of_step = [r for r, p in enumerate(proposals) if p[2:4] != proposals[0][2:4]]
         if out_of_step:  # every rank sees it in the same step: all stop issuing collectives
             self._broken = (
                 f"the ranks are out of step: rank 0 is saving step {proposals[0][2]} (its save #{proposals[0][3]}) "
@@ -482,17 +498,19 @@ class Checkpointer:
                 "(an optimizer shard, ZeRO/FSDP state) as rank_state"
             )
         save_id = proposals[0][1]
+        layout = dtensor.assign([p[4] for p in proposals])
         extents = plan(rep.sizes, len(slots))
         written: list[_Written] = []
         t_write = time.perf_counter()
         try:
             written = agree(self.comm, f"writing checkpoint step {step}",
-                            lambda: self._write(catalog.step_dir(step), save_id, job, rep, own, extents, slots))
+                            lambda: self._write(catalog.step_dir(step), save_id, job, rep, own, extents, slots,
+                                                layout))
             job.handle.metrics.write_s = time.perf_counter() - t_write
             if self.check_replicated and self.comm.world_size > 1:
                 check_replicas(step, [w.digests for w in written], rep, job.state)
             agree(self.comm, f"committing checkpoint step {step}",
-                  lambda: self._commit(step, save_id, written, job.metadata) if self.rank == 0 else None)
+                  lambda: self._commit(step, save_id, written, job.metadata, layout) if self.rank == 0 else None)
         except CheckpointError:
             if not self._is_committed(step, save_id):  # a failure after the commit point keeps the files
                 catalog.remove_files(self.roots, step, f"{save_id}-", self.backend, prune=True)
@@ -509,7 +527,8 @@ class Checkpointer:
         m.bytes_total = sum(e.nbytes for w in written for r in w.reports for e in r.extents)
         m.total_s = time.perf_counter() - job.started
 
-    def _prepare_step(self, job: _Job, slots: list[tuple[int, int]]) -> tuple[str, str, int, int]:
+    def _prepare_step(self, job: _Job, slots: list[tuple[int, int]]
+                      ) -> tuple[str, str, int, int, list[dtensor.ChunkMeta]]:
         """Step 1 on this rank: serialize the state (unless save() did), propose the plan's
         digest, a save id, the step and this save's number (so ranks out of step are caught).
         The coordinator takes the root's lock on the first save and then, owning the roots,
@@ -525,13 +544,14 @@ class Checkpointer:
             if self._clean_start:
                 catalog.clean_incomplete(self.roots, self.backend)
             self._commits = {c.step: c for c in catalog.commits(self.roots[0])}
-        return digest, secrets.token_hex(6), job.step, job.number
+        return digest, secrets.token_hex(6), job.step, job.number, [sh.meta for sh in job.shards or []]
 
     def _write(self, name: str, save_id: str, job: _Job, rep: sharded.Prepared, own: sharded.Prepared | None,
-               extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
+               extents: list[Extent], slots: list[tuple[int, int]], layout: dtensor.Layout) -> _Written:
         hashing = ReplicaDigests(rep) if self.check_replicated and self.comm.world_size > 1 else None
         try:
             written = self._write_files(name, save_id, rep, own, extents, slots)
+            written.reports += self._write_shards(name, save_id, job.shards or [], layout)
             if hashing is not None:
                 written.digests = hashing.result()
                 job.handle.metrics.replica_check_s = hashing.seconds
@@ -551,7 +571,7 @@ class Checkpointer:
             except OSError as e:
                 raise CheckpointWriteError(f"cannot create {d}: {e.strerror or e}") from e
         reports: list[sharded.FileReport] = []
-        objects: dict[str, tuple[list[str], list[int]]] = {}
+        objects: dict[str, tuple[list[str], list[int], list[mf.TensorEntry]]] = {}
         jobs = []
         for s, (r, j) in enumerate(slots):
             if r == self.rank:
@@ -562,7 +582,7 @@ class Checkpointer:
         if self.rank == 0:
             path = os.path.join(dirs[0], f"{save_id}-{rep.name}.skel")
             reports.append(sharded.write_skeleton(rep, 0, path, self.backend))
-            objects[rep.name] = (rep.keys, rep.sizes)
+            objects[rep.name] = (rep.keys, rep.sizes, rep.tensors)
         if own is not None:
             own_extents = plan(own.sizes, len(self.roots))
             own_jobs = [([e for e in own_extents if e.slot == j], j,
@@ -570,27 +590,48 @@ class Checkpointer:
             reports += sharded.write_slots(own, own_jobs, self.backend, cfg)
             path = os.path.join(dirs[0], f"{save_id}-{own.name}.skel")
             reports.append(sharded.write_skeleton(own, 0, path, self.backend))
-            objects[own.name] = (own.keys, own.sizes)
+            objects[own.name] = (own.keys, own.sizes, own.tensors)
         for d in dirs:  # the new files' directory entries are durable too
             self.backend.fsync_dir(d)
         self.backend.event("after-data")
         return _Written(reports, objects)
 
+    def _write_shards(self, name: str, save_id: str, shards: list[dtensor.LocalShard],
+                      layout: dtensor.Layout) -> list[sharded.FileReport]:
+        """Write this rank's pieces of the distinct chunks, balanced over the roots; in the
+        reports an extent's ``storage`` is the chunk's index in ``layout.chunks``."""
+        chunks = layout.chunks
+        mine = [p for p in layout.pieces if p.rank == self.rank]
+        if not mine:
+            return []
+        local = {(sh.meta.path, sh.meta.offsets, sh.meta.sizes): sh.tensor for sh in shards}
+        tensors = [local[(chunks[p.chunk].path, chunks[p.chunk].offsets, chunks[p.chunk].sizes)] for p in mine]
+        files = [(j, os.path.join(root, name, f"{save_id}-{mf.SHARDED}-r{self.rank:05d}-{j:04d}.bin"))
+                 for j, root in enumerate(self.roots)]
+        reports = sharded.write_chunks(mf.SHARDED, tensors, [(i, p.start, p.nbytes) for i, p in enumerate(mine)],
+                                       files, self.backend, self.config)
+        # tensor index i -> chunk index
+        return [dataclasses.replace(r, extents=tuple(dataclasses.replace(e, storage=mine[e.storage].chunk)
+                                                     for e in r.extents)) for r in reports]
+
     def _commit(self, step: int, save_id: str, written: list[_Written],
-                metadata: Mapping[str, Any] | None) -> None:
+                metadata: Mapping[str, Any] | None, layout: dtensor.Layout) -> None:
         reports = [r for w in written for r in w.reports]
         files = tuple(mf.FileEntry(r.root, r.name, r.size) for r in reports)
         index = {(r.root, r.name): i for i, r in enumerate(reports)}
         objects: dict[str, mf.ObjectEntry] = {}
         for w in written:
-            for obj, (keys, sizes) in w.objects.items():
+            for obj, (keys, sizes, tensors) in w.objects.items():
                 skel = next(r for r in reports if r.object == obj and r.skeleton_checksum is not None)
                 data = [(index[(r.root, r.name)], r) for r in reports if r.object == obj and r.skeleton_checksum is None]
-                objects[obj] = sharded.build_object(keys, sizes, index[(skel.root, skel.name)], skel, data)
+                objects[obj] = sharded.build_object(keys, sizes, index[(skel.root, skel.name)], skel, data, tensors)
         commits = list((self._commits or {}).values())
         abandoned = timeline.abandoned_by(step, commits)
         manifest = mf.Manifest(step, save_id, time.time(), self.comm.world_size, len(self.roots), files, objects,
-                               user=dict(metadata or {}), sequence=timeline.next_sequence(commits))
+                               user=dict(metadata or {}), sequence=timeline.next_sequence(commits),
+                               sharded=sharded.build_sharded(layout, [(index[(r.root, r.name)], r) for r in reports
+                                                                      if r.object == mf.SHARDED]),
+                               root_paths=tuple(self.roots))
         step_path = os.path.join(self.roots[0], catalog.step_dir(step))
         # The commit point: the manifest is written last, after every rank's data is durable.
         catalog.write_atomic(step_path, mf.MANIFEST_NAME, manifest.to_json(), self.backend, events=True)
@@ -667,9 +708,12 @@ class Checkpointer:
     # load: through a read-only view (no directory created, no lock, no collective)
 
     def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
-             map_location: Any = None, weights_only: bool = True, verify: bool | None = None) -> Any:
-        """Load the replicated state of a checkpoint; see :meth:`CheckpointView.load`."""
-        return self._view.load(step, into, map_location=map_location, weights_only=weights_only, verify=verify)
+             keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
+             verify: bool | None = None) -> Any:
+        """Load a checkpoint's state (sharded tensors resharded into ``into``'s DTensors); see
+        :meth:`CheckpointView.load`."""
+        return self._view.load(step, into, keys=keys, map_location=map_location, weights_only=weights_only,
+                               verify=verify)
 
     def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,

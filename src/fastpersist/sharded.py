@@ -30,6 +30,7 @@ import torch
 import xxhash
 
 from fastpersist.config import IOConfig
+from fastpersist.dtensor import Layout, tensor_index
 from fastpersist.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -47,7 +48,7 @@ from fastpersist.io.buffers import ALIGN, BufferPool, align_up, memory_view, sha
 from fastpersist.io.files import DirectFile, file_size, preallocate
 from fastpersist.io.reader import ReadFailedError, ReadRequest, allocate, read_into
 from fastpersist.io.writer import Piece, write_pieces
-from fastpersist.plan import Extent
+from fastpersist.plan import Extent, plan
 
 # Extents at least this large are placed at an offset matching their memory's alignment phase
 # (costs at most ALIGN - 1 bytes of padding); smaller ones are packed back to back.
@@ -65,6 +66,7 @@ class Prepared:
     keys: list[str]
     storages: list[torch.UntypedStorage]
     sizes: list[int]
+    tensors: list[mf.TensorEntry] = dataclasses.field(default_factory=list)  # by key path
 
     @functools.cached_property
     def skeleton_checksum(self) -> int:
@@ -78,7 +80,7 @@ def prepare(name: str, obj: object) -> Prepared:
     except Exception as e:
         raise UnsaveableObjectError(f"the object cannot be serialized: {type(e).__name__}: {e}") from e
     return Prepared(name=name, skeleton=skeleton.encode(small), keys=keys, storages=storages,
-                    sizes=[s.nbytes() for s in storages])
+                    sizes=[s.nbytes() for s in storages], tensors=tensor_index(obj, keys, storages))
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,34 @@ def write_slots(prepared: Prepared, jobs: Sequence[tuple[Sequence[Extent], int, 
         return [f.result() for f in futures]
 
 
+# A sharded tensor's chunk is cut into extents of at most this many bytes: a load that needs
+# part of a chunk (resharding) reads and verifies whole extents, so they stay moderate.
+CHUNK_EXTENT_MAX = 32 << 20
+
+
+def write_chunks(name: str, tensors: Sequence[torch.Tensor], pieces: Sequence[tuple[int, int, int]],
+                 files: Sequence[tuple[int, str]], backend: FileBackend, config: IOConfig) -> list[FileReport]:
+    """Write byte ranges of contiguous tensors, balanced over ``files`` (root, path): one file
+    per root, all at once. ``pieces`` are (tensor index, start, nbytes); in the reports an
+    extent's ``storage`` is the tensor index and ``start`` counts from the tensor's first byte."""
+    storages = [t.untyped_storage() for t in tensors]
+    bases = [int(t.storage_offset()) * t.element_size() for t in tensors]
+    subs = [(i, s, min(CHUNK_EXTENT_MAX, start + n - s))
+            for i, start, n in pieces for s in range(start, start + n, CHUNK_EXTENT_MAX)]
+    jobs = []
+    for slot, (root, path) in enumerate(files):
+        mine = [Extent(subs[e.storage][0], bases[subs[e.storage][0]] + subs[e.storage][1] + e.start, e.nbytes, slot)
+                for e in plan([n for _, _, n in subs], len(files)) if e.slot == slot]
+        if mine:
+            jobs.append((mine, root, path))
+    if not jobs:
+        return []
+    prepared = Prepared(name, b"", [], storages, [s.nbytes() for s in storages])
+    return [dataclasses.replace(r, extents=tuple(dataclasses.replace(p, start=p.start - bases[p.storage])
+                                                 for p in r.extents))
+            for r in write_slots(prepared, jobs, backend, config)]
+
+
 def write_skeleton(prepared: Prepared, root: int, path: str, backend: FileBackend) -> FileReport:
     try:
         backend.write_small(path, prepared.skeleton, root)
@@ -208,7 +238,8 @@ def write_skeleton(prepared: Prepared, root: int, path: str, backend: FileBacken
 
 
 def build_object(prepared_keys: Sequence[str], sizes: Sequence[int], skeleton_file: int,
-                 skeleton_report: FileReport, data: Sequence[tuple[int, FileReport]]) -> mf.ObjectEntry:
+                 skeleton_report: FileReport, data: Sequence[tuple[int, FileReport]],
+                 tensors: Sequence[mf.TensorEntry] = ()) -> mf.ObjectEntry:
     """The manifest entry of one object from the reports of the files that hold it.
 
     ``data`` pairs each data file's index in the manifest's file list with its report.
@@ -224,7 +255,21 @@ def build_object(prepared_keys: Sequence[str], sizes: Sequence[int], skeleton_fi
     if skeleton_report.skeleton_checksum is None:
         raise CheckpointWriteError(f"{skeleton_report.name} is not a skeleton file")
     sk = mf.ExtentEntry(skeleton_file, 0, 0, skeleton_report.size, skeleton_report.skeleton_checksum)
-    return mf.ObjectEntry(sk, storages)
+    return mf.ObjectEntry(sk, storages, tuple(tensors))
+
+
+def build_sharded(layout: Layout, data: Sequence[tuple[int, FileReport]]) -> tuple[mf.ShardedEntry, ...]:
+    """The manifest's sharded tensors from the layout and the reports of the files holding
+    their chunks (an extent's ``storage`` is its chunk's index)."""
+    chunks = layout.chunks
+    per_chunk: list[list[mf.ExtentEntry]] = [[] for _ in chunks]
+    for index, report in data:
+        for p in report.extents:
+            per_chunk[p.storage].append(mf.ExtentEntry(index, p.offset, p.start, p.nbytes, p.checksum))
+    by_path: dict[tuple[str | int, ...], list[mf.ChunkEntry]] = {p: [] for p, _, _ in layout.tensors}
+    for m, extents in zip(chunks, per_chunk):
+        by_path[m.path].append(mf.ChunkEntry(m.offsets, m.sizes, tuple(sorted(extents, key=lambda e: e.start))))
+    return tuple(mf.ShardedEntry(p, dtype, shape, tuple(by_path[p])) for p, dtype, shape in layout.tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,14 +361,25 @@ def extent_problem(dirs: Sequence[str], manifest: mf.Manifest, name: str, s: mf.
     """What is wrong with one extent whose bytes hash to ``got`` (None if nothing)."""
     if got == e.checksum:
         return None
-    return (f"{_file_path(dirs, manifest, e.file)}: object {name!r} storage {s.key!r} bytes "
+    return (f"{_file_path(dirs, manifest, e.file)}: object {name!r} {storage_name(manifest, name, s.key)} bytes "
             f"{e.start}..{e.start + e.nbytes} (file offset {e.offset}) fail their checksum "
             f"(stored {e.checksum:016x}, read {got:016x})")
 
 
-def _needed_files(manifest: mf.Manifest, names: Sequence[str]) -> list[int]:
+def storage_name(manifest: mf.Manifest, name: str, key: str) -> str:
+    """``storage '3' (tensor 'model.w')``: a storage with the key paths of the tensors it holds."""
+    obj = manifest.objects.get(name)
+    keys = [t.key for t in obj.tensors if t.storage == key] if obj is not None else []
+    if not keys:
+        return f"storage {key!r}"
+    more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+    return f"storage {key!r} (tensor {keys[0]!r}{more})"
+
+
+def _needed_files(manifest: mf.Manifest, names: Sequence[str], sharded: bool = False) -> list[int]:
     return sorted({e.file for n in names for s in manifest.objects[n].storages for e in s.extents}
-                  | {manifest.objects[n].skeleton.file for n in names})
+                  | {manifest.objects[n].skeleton.file for n in names}
+                  | ({e.file for t in manifest.sharded for c in t.chunks for e in c.extents} if sharded else set()))
 
 
 # ---- load ------------------------------------------------------------------------------------
@@ -502,7 +558,7 @@ def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20,
     _collect(problems, where, "manifest", lambda: check_unverified(dirs, manifest))
     files: dict[int, DirectFile] = {}
     try:
-        for i in _needed_files(manifest, list(manifest.objects)):
+        for i in _needed_files(manifest, list(manifest.objects), sharded=True):
             path = _collect(problems, manifest.files[i].name, "file", lambda i=i: _file_path(dirs, manifest, i))
             file = path and _collect(problems, path, "file", lambda i=i: _open_listed(dirs, manifest, i, "off", backend))
             if file:  # a truncated file stays open: what it still holds is checked, the rest named
@@ -511,6 +567,10 @@ def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20,
         checked = 0
         for name, obj in sorted(manifest.objects.items()):
             checked += _verify_object(problems, dirs, manifest, name, obj, files, chunk)
+        for t in manifest.sharded:
+            for c in t.chunks:
+                checked += _verify_extents(problems, dirs, manifest, files, chunk, c.extents,
+                                           f"sharded tensor {t.key!r} chunk at {list(c.offsets)}")
     finally:
         for file in files.values():
             file.close()
@@ -550,22 +610,29 @@ def _verify_object(problems: list[Problem], dirs: Sequence[str], manifest: mf.Ma
         _collect(problems, path, f"object {name!r} skeleton", skeleton_check)
     checked = obj.skeleton.nbytes
     for s in obj.storages:
-        for e in s.extents:
-            if e.file not in files:
-                continue  # the file's problem is already reported
-            path = _file_path(dirs, manifest, e.file)
-            what = f"object {name!r} storage {s.key!r} bytes {e.start}..{e.start + e.nbytes}"
-            if e.offset + e.nbytes > file_size(files[e.file].fd):
-                problems.append(Problem(path, what, e.offset, "lies beyond the end of the file"))
-                continue
-            got = _collect(problems, path, what, lambda e=e, path=path: _hash_range(files[e.file], path, e, chunk))
-            if got is None:
-                continue
-            checked += e.nbytes
-            problem = extent_problem(dirs, manifest, name, s, e, got)
-            if problem:
-                problems.append(Problem(path, what, e.offset, f"checksum mismatch (stored {e.checksum:016x}, "
-                                                              f"read {got:016x})"))
+        checked += _verify_extents(problems, dirs, manifest, files, chunk, s.extents,
+                                   f"object {name!r} {storage_name(manifest, name, s.key)}")
+    return checked
+
+
+def _verify_extents(problems: list[Problem], dirs: Sequence[str], manifest: mf.Manifest,
+                    files: dict[int, DirectFile], chunk: int, extents: Sequence[mf.ExtentEntry], owner: str) -> int:
+    checked = 0
+    for e in extents:
+        if e.file not in files:
+            continue  # the file's problem is already reported
+        path = _file_path(dirs, manifest, e.file)
+        what = f"{owner} bytes {e.start}..{e.start + e.nbytes}"
+        if e.offset + e.nbytes > file_size(files[e.file].fd):
+            problems.append(Problem(path, what, e.offset, "lies beyond the end of the file"))
+            continue
+        got = _collect(problems, path, what, lambda e=e, path=path: _hash_range(files[e.file], path, e, chunk))
+        if got is None:
+            continue
+        checked += e.nbytes
+        if got != e.checksum:
+            problems.append(Problem(path, what, e.offset, f"checksum mismatch (stored {e.checksum:016x}, "
+                                                          f"read {got:016x})"))
     return checked
 
 

@@ -41,7 +41,9 @@ def restore_into(loaded: Any, into: Mapping[str, Any], where: str) -> None:
         if key not in loaded:
             raise CheckpointReadError(f"{where}: the checkpoint has no entry {key!r} (it has {sorted(map(str, loaded))})")
         value = loaded[key]
-        if is_stateful(target):
+        if _is_tensor(target):
+            _copy_tensor(target, value, key, where)
+        elif is_stateful(target):
             target.load_state_dict(value)
         elif isinstance(target, MutableMapping):
             if not isinstance(value, Mapping):
@@ -57,6 +59,27 @@ def restore_into(loaded: Any, into: Mapping[str, Any], where: str) -> None:
                 f"{where}: cannot load entry {key!r} in place into a {type(target).__name__}; pass "
                 "objects with load_state_dict() or dicts in `into`, or read the returned state"
             )
+
+
+def _is_tensor(obj: object) -> bool:
+    import torch
+
+    return isinstance(obj, torch.Tensor)
+
+
+def _copy_tensor(target: Any, value: Any, key: object, where: str) -> None:
+    """A tensor in ``into`` is loaded in place (a sharded tensor was already read into it)."""
+    import torch
+
+    if value is target:
+        return
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+        what = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
+            f"a {type(value).__name__}"
+        raise CheckpointReadError(f"{where}: entry {key!r} is {what}, the destination a tensor of shape "
+                                  f"{list(target.shape)}")
+    with torch.no_grad():
+        target.copy_(value)
 
 
 class RNGState:

@@ -11,16 +11,17 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastpersist import catalog, sharded, timeline
+from fastpersist import catalog, dtensor, reshard, sharded, timeline
 from fastpersist.config import IOConfig, get_config
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
-from fastpersist.state import restore_into
+from fastpersist.io.reader import allocate
+from fastpersist.state import restore_into, to_saveable
 
 logger = logging.getLogger(__name__)
 
@@ -125,28 +126,50 @@ class CheckpointView:
         return [os.path.join(r, name) for r in self.roots], manifest
 
     def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
-             map_location: Any = None, weights_only: bool = True, verify: bool | None = None) -> Any:
-        """Load the replicated state of ``step`` (default: the latest commit), at any world size.
+             keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
+             verify: bool | None = None) -> Any:
+        """Load the state of ``step`` (default: the latest commit), at any world size.
+
+        Sharded tensors (DTensors at save time) are resharded: a DTensor found at the same key
+        in ``into`` is filled in place, each rank reading only the bytes its local shard
+        overlaps, whatever its mesh and placements; anywhere else the whole tensor is built
+        (at world size 1, no process group needed).
 
         Args:
             step: a step number or ``"latest"``.
             into: a dict of live objects (modules, optimizers, dicts...) restored in place from
                 the entries of the same keys, through ``load_state_dict``.
-            map_location: as in ``torch.load``.
+            keys: load only these tensors (their key paths, as ``fastpersist inspect`` lists
+                them, e.g. ``"model.layers.0.weight"``), reading only their bytes; returns a
+                dict from key to tensor (whole tensors). Not with ``into``.
+            map_location: as in ``torch.load`` (for sharded tensors built whole: a device).
             weights_only: use torch's restricted unpickler (the default); ``False`` only for
                 checkpoints you trust.
             verify: check every checksum (default: the configuration's, on).
 
         Returns:
-            The loaded state.
+            The loaded state (or, with ``keys``, a dict of tensors).
 
         Raises:
             CheckpointNotFoundError: no such (committed) checkpoint.
-            CheckpointReadError: the checkpoint is damaged, or cannot be read or rebuilt.
+            CheckpointReadError: the checkpoint is damaged, or cannot be read or rebuilt, or a
+                tensor in ``into`` has another shape or dtype than the saved one (nothing is
+                read then).
         """
         dirs, manifest = self._dirs(step)
-        return load_object(dirs, manifest, mf.REPLICATED, into, map_location, weights_only, verify, self.config,
-                           self.backend)
+        if keys is not None:
+            if into is not None:
+                raise ValueError("load(keys=...) returns the tensors it reads; it does not take `into`")
+            if isinstance(keys, str):
+                raise TypeError("keys must be a collection of key paths (a str is one key: pass [key])")
+            return load_tensors(dirs, manifest, list(keys), map_location, verify, self.config, self.backend)
+        return load_state(dirs, manifest, into, map_location, weights_only, verify, self.config, self.backend)
+
+    def tensors(self, step: int | str = "latest") -> builtins.list[TensorInfo]:
+        """Every tensor of the checkpoint's state indexed by key: key, dtype, shape, bytes, and
+        whether it is sharded (with its chunk count). Empty for checkpoints written before
+        format version 3."""
+        return tensor_infos(self.manifest(step))
 
     def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,
@@ -165,6 +188,146 @@ class CheckpointView:
         """Read every byte of ``step`` and check every checksum; the problems found (empty: OK)."""
         dirs, manifest = self._dirs(step)
         return sharded.verify(dirs, manifest, backend=self.backend)[0]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor of a checkpoint (see :meth:`CheckpointView.tensors`)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    sharded: bool
+    chunks: int = 1
+    object: str = mf.REPLICATED
+
+
+def tensor_infos(manifest: mf.Manifest) -> list[TensorInfo]:
+    out = [TensorInfo(t.key, t.dtype, t.shape, t.nbytes, False, 1, name)
+           for name, o in sorted(manifest.objects.items()) for t in o.tensors]
+    out += [TensorInfo(t.key, t.dtype, t.shape, t.nbytes, True, len(t.chunks)) for t in manifest.sharded]
+    return out
+
+
+def _wrap(where: str, manifest: mf.Manifest, what: str, fn: Any) -> Any:
+    """Run ``fn``; any failure becomes a CheckpointError naming the checkpoint."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointReadError(f"{where}: cannot read checkpoint step {manifest.step}: "
+                                  f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from e
+    except Exception as e:  # torch's loader: a map_location it cannot honour, a damaged pickle...
+        raise CheckpointReadError(f"{where}: cannot {what} of checkpoint step {manifest.step}: "
+                                  f"{type(e).__name__}: {e}") from e
+
+
+def load_state(dirs: list[str], manifest: mf.Manifest, into: Mapping[str, Any] | None, map_location: Any,
+               weights_only: bool, verify: bool | None, config: IOConfig, backend: FileBackend | None = None) -> Any:
+    """The replicated state with the sharded tensors in place, restored into ``into``."""
+    obj = load_object(dirs, manifest, mf.REPLICATED, None, map_location, weights_only, verify, config, backend)
+    if manifest.sharded:
+        do_verify = config.verify if verify is None else verify
+        obj = _wrap(dirs[0], manifest, "place the sharded tensors",
+                    lambda: place_sharded(dirs, manifest, obj, into, map_location, do_verify, config, backend))
+    if into is not None:
+        restore_into(obj, into, dirs[0])
+    return obj
+
+
+def place_sharded(dirs: list[str], manifest: mf.Manifest, obj: Any, into: Mapping[str, Any] | None,
+                  map_location: Any, verify: bool, config: IOConfig, backend: FileBackend | None) -> Any:
+    """Read every sharded tensor into its destination and put it at its key in ``obj``.
+
+    Every destination is checked (global shape, dtype) before any byte is read."""
+    import torch
+
+    dests = to_saveable(into) if into is not None else None
+    targets: list[reshard.Target] = []
+    values: dict[tuple[str | int, ...], Any] = {}
+    for e in manifest.sharded:
+        dtype = getattr(torch, e.dtype)
+        t = dtensor.get_path(dests, e.path) if dests is not None else None
+        if isinstance(t, torch.Tensor) and (tuple(t.shape) != e.shape or t.dtype != dtype):
+            raise CheckpointReadError(
+                f"{dirs[0]}: sharded tensor {e.key!r} of checkpoint step {manifest.step} is {e.dtype} of shape "
+                f"{list(e.shape)}, the destination is {str(t.dtype).removeprefix('torch.')} of shape "
+                f"{list(t.shape)}; nothing was loaded")
+        if dtensor.is_dtensor(t):
+            chunks = t.__create_chunk_list__()  # type: ignore[union-attr]
+            local = dtensor.local(t)  # type: ignore[arg-type]
+            if len(chunks) == 1 and local.numel():
+                targets.append(reshard.Target(e, local, tuple(int(x) for x in chunks[0].offsets)))
+            values[e.path] = t
+        elif isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad:
+            targets.append(reshard.Target(e, t, (0,) * len(e.shape)))
+            values[e.path] = t
+        else:
+            buf = allocate(dirs[0], e.nbytes)
+            full = buf[: e.nbytes].view(dtype).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype)
+            targets.append(reshard.Target(e, full, (0,) * len(e.shape), fresh=True))
+            values[e.path] = full
+    reshard.read_sharded(dirs, manifest, targets, verify=verify, config=config, backend=backend)
+    if isinstance(map_location, (str, torch.device)):
+        values = {p: v if dtensor.is_dtensor(v) else v.to(map_location) for p, v in values.items()}
+    return dtensor.put_paths(obj, values, dirs[0])
+
+
+def load_tensors(dirs: list[str], manifest: mf.Manifest, keys: list[str], map_location: Any, verify: bool | None,
+                 config: IOConfig, backend: FileBackend | None = None) -> dict[str, Any]:
+    """The tensors named by ``keys``, reading only their bytes."""
+    import torch
+
+    where = dirs[0]
+    if manifest.version < 3:
+        raise CheckpointReadError(f"{where}: checkpoint step {manifest.step} was written in format version "
+                                  f"{manifest.version}, before tensors were indexed by key: load it whole")
+    do_verify = config.verify if verify is None else verify
+    if do_verify:
+        sharded.check_unverified(dirs, manifest)
+    replicated = manifest.objects[mf.REPLICATED]
+    index: dict[str, Any] = {t.key: t for t in replicated.tensors}
+    index.update(manifest.sharded_by_key())
+    missing = [k for k in keys if k not in index]
+    if missing:
+        some = ", ".join(sorted(index)[:8])
+        raise CheckpointReadError(f"{where}: checkpoint step {manifest.step} has no tensor {missing[0]!r}"
+                                  f"{f' (and {len(missing) - 1} more missing)' if len(missing) > 1 else ''}; "
+                                  f"it has {len(index)} tensors: {some}{', ...' if len(index) > 8 else ''}")
+    storages = {s.key: s for s in replicated.storages}
+    targets: list[reshard.Target] = []
+    out: dict[str, Any] = {}
+    for k in keys:
+        entry = index[k]
+        if isinstance(entry, mf.ShardedEntry):
+            dtype = getattr(torch, entry.dtype)
+            buf = allocate(where, entry.nbytes)
+            full = buf[: entry.nbytes].view(dtype).view(entry.shape) if entry.nbytes else \
+                torch.empty(entry.shape, dtype=dtype)
+            targets.append(reshard.Target(entry, full, (0,) * len(entry.shape), fresh=True))
+            out[k] = full
+            continue
+        # a view of a replicated storage: read the bytes it spans, as a 1-D chunk of bytes
+        item = mf.DTYPE_SIZES[entry.dtype]
+        st = storages[entry.storage]
+        span = (entry.offset + sum((n - 1) * s for n, s in zip(entry.shape, entry.stride)) + 1) * item \
+            if all(entry.shape) else 0
+        lo = entry.offset * item
+        raw = allocate(where, max(span - lo, 1))[: max(span - lo, 0)]
+        if span > lo:
+            blob = mf.ShardedEntry(entry.path, "uint8", (st.nbytes,), (mf.ChunkEntry((0,), (st.nbytes,), st.extents),))
+            targets.append(reshard.Target(blob, raw, (lo,), fresh=True))
+        dtype = getattr(torch, entry.dtype)
+        typed = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
+        out[k] = typed.as_strided(entry.shape, entry.stride, typed.storage_offset()) if raw.numel() else \
+            torch.empty(entry.shape, dtype=dtype)
+    _wrap(where, manifest, "read tensors",
+          lambda: reshard.read_sharded(dirs, manifest, targets, verify=do_verify, config=config, backend=backend))
+    if isinstance(map_location, (str, torch.device)):
+        out = {k: v.to(map_location) for k, v in out.items()}
+    return out
 
 
 def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping[str, Any] | None,
@@ -232,8 +395,10 @@ def load_checkpoint(path: str | os.PathLike[str], other_roots: Sequence[str | os
     name = os.path.basename(first.rstrip(os.sep))
     dirs = [first] + [os.path.join(os.path.abspath(os.fspath(r)), name) for r in other_roots]
     manifest = catalog.read_manifest(first)
-    obj = mf.REPLICATED if rank is None else mf.rank_object(rank)
-    return load_object(dirs, manifest, obj, None, map_location, weights_only, verify, config or get_config())
+    if rank is not None:
+        return load_object(dirs, manifest, mf.rank_object(rank), None, map_location, weights_only, verify,
+                           config or get_config())
+    return load_state(dirs, manifest, None, map_location, weights_only, verify, config or get_config())
 
 
 def open(roots: Roots, *, config: IOConfig | None = None,  # noqa: A001 - fastpersist.open

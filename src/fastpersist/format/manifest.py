@@ -21,10 +21,20 @@ from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, Un
 from fastpersist.format import jsondoc
 
 FORMAT_NAME = "fastpersist-checkpoint"
-FORMAT_VERSION = 2  # 2: the manifest carries a checksum of its own content (version 1 did not)
+# 3: tensors indexed by key path, sharded tensors (chunks with global offsets), the roots' paths;
+# 2: the manifest carries a checksum of its own content (version 1 did not).
+FORMAT_VERSION = 3
 HASH_NAME = "xxh3-64"
 MANIFEST_NAME = "manifest.json"
 REPLICATED = "replicated"
+SHARDED = "sharded"  # the name of the data files of sharded tensors (not an object)
+# Element sizes of the dtypes a sharded tensor may have (torch's names, without "torch.").
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+MAX_NDIM = 64
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is refused before it is read
 
 # A data file name: no directory part, no "..", not hidden, ASCII only. Checked on write and on
@@ -42,6 +52,11 @@ _MAX_CREATED = 253402214400  # seconds since 1970: 9999-12-31, the last day date
 def rank_object(rank: int) -> str:
     """The object name of ``rank``'s own state."""
     return f"rank-{rank:05d}"
+
+
+def key_name(path: tuple[str | int, ...]) -> str:
+    """The dotted name of a key path: ``("optim", "state", 0, "exp_avg")`` -> ``optim.state.0.exp_avg``."""
+    return ".".join(map(str, path))
 
 
 def valid_file_name(name: str) -> bool:
@@ -95,13 +110,80 @@ class StorageEntry:
 
 
 @dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of an object, by its key path: a view (dtype, shape, stride, element offset)
+    of one of the object's storages."""
+
+    path: tuple[str | int, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage: str
+    offset: int
+
+    @property
+    def key(self) -> str:
+        return key_name(self.path)
+
+    @property
+    def nbytes(self) -> int:
+        return _volume(self.shape) * DTYPE_SIZES.get(self.dtype, 1)
+
+
+@dataclass(frozen=True)
 class ObjectEntry:
     skeleton: ExtentEntry  # the whole skeleton file: start 0, nbytes = its size
     storages: tuple[StorageEntry, ...]
+    tensors: tuple[TensorEntry, ...] = ()  # version 3: every tensor reachable through dicts/lists
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.storages)
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One saved part of a sharded tensor: the box ``[offsets, offsets + sizes)`` of the global
+    tensor, its elements in row-major order, cut into extents (``start`` counts from the
+    chunk's first byte)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    extents: tuple[ExtentEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.extents)
+
+
+@dataclass(frozen=True)
+class ShardedEntry:
+    """A sharded tensor (a DTensor at save time): its global dtype and shape and the chunks
+    that tile it exactly once."""
+
+    path: tuple[str | int, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkEntry, ...]
+
+    @property
+    def key(self) -> str:
+        return key_name(self.path)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return _volume(self.shape) * self.itemsize
+
+
+def _volume(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 @dataclass(frozen=True)
@@ -116,10 +198,15 @@ class Manifest:
     version: int = FORMAT_VERSION
     user: dict[str, Any] = field(default_factory=dict)
     sequence: int = 0  # commit order among the checkpoints of these roots (0: not recorded)
+    sharded: tuple[ShardedEntry, ...] = ()  # version 3
+    root_paths: tuple[str, ...] = ()  # version 3: each root's absolute path at save time
 
     @property
     def nbytes(self) -> int:
-        return sum(o.nbytes for o in self.objects.values())
+        return sum(o.nbytes for o in self.objects.values()) + sum(t.nbytes for t in self.sharded)
+
+    def sharded_by_key(self) -> dict[str, ShardedEntry]:
+        return {t.key: t for t in self.sharded}
 
     def to_json(self) -> bytes:
         doc = {
@@ -132,21 +219,33 @@ class Manifest:
             "world_size": self.world_size,
             "roots": self.roots,
             "files": [{"root": f.root, "name": f.name, "size": f.size} for f in self.files],
-            "objects": {
-                name: {
-                    "skeleton": _extent_doc(o.skeleton),
-                    "storages": [
-                        {"key": s.key, "nbytes": s.nbytes, "extents": [_extent_doc(e) for e in s.extents]}
-                        for s in o.storages
-                    ],
-                }
-                for name, o in sorted(self.objects.items())
-            },
+            "objects": {name: self._object_doc(o) for name, o in sorted(self.objects.items())},
             "user": self.user,
             "sequence": self.sequence,
         }
+        if self.version >= 3:
+            doc["sharded"] = [
+                {"path": list(t.path), "dtype": t.dtype, "shape": list(t.shape),
+                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes),
+                             "extents": [_extent_doc(e) for e in c.extents]} for c in t.chunks]}
+                for t in self.sharded
+            ]
+            doc["root_paths"] = list(self.root_paths)
         body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return seal(body) if self.version >= 2 else body
+
+
+    def _object_doc(self, o: ObjectEntry) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "skeleton": _extent_doc(o.skeleton),
+            "storages": [{"key": s.key, "nbytes": s.nbytes, "extents": [_extent_doc(e) for e in s.extents]}
+                         for s in o.storages],
+        }
+        if self.version >= 3:
+            doc["tensors"] = [{"path": list(t.path), "dtype": t.dtype, "shape": list(t.shape),
+                               "stride": list(t.stride), "storage": t.storage, "offset": t.offset}
+                              for t in o.tensors]
+        return doc
 
 
 def _extent_doc(e: ExtentEntry) -> dict[str, Any]:
@@ -214,8 +313,16 @@ def parse(path: str, raw: bytes) -> Manifest:
     objects_doc = rd.get(doc, "objects", dict, "header")
     if REPLICATED not in objects_doc:
         raise rd.fail("objects", f"no {REPLICATED!r} object")
-    objects = {name: _parse_object(rd, name, o, files) for name, o in objects_doc.items()}
-    _check_file_overlaps(rd, files, objects)
+    objects = {name: _parse_object(rd, name, o, files, version) for name, o in objects_doc.items()}
+    sharded: tuple[ShardedEntry, ...] = ()
+    root_paths: tuple[str, ...] = ()
+    if version >= 3:
+        sharded = tuple(_parse_sharded(rd, i, t, files) for i, t in enumerate(rd.get(doc, "sharded", list, "header")))
+        _check_unique_keys(rd, objects.get(REPLICATED), sharded)
+        root_paths = tuple(_parse_root_path(rd, i, p) for i, p in enumerate(rd.get(doc, "root_paths", list, "header")))
+        if len(root_paths) not in (0, roots):
+            raise rd.fail("header", f"{len(root_paths)} root paths for {roots} roots")
+    _check_file_overlaps(rd, files, objects, sharded)
     user = doc.get("user", {})
     if not isinstance(user, dict):
         raise rd.fail("header", "field 'user' must be an object")
@@ -235,6 +342,8 @@ def parse(path: str, raw: bytes) -> Manifest:
         version=version,
         user=user,
         sequence=sequence,
+        sharded=sharded,
+        root_paths=root_paths,
     )
 
 
@@ -261,7 +370,7 @@ def _parse_extent(rd: _Reader, d: Any, where: str, files: tuple[FileEntry, ...])
     return e
 
 
-def _parse_object(rd: _Reader, name: str, d: Any, files: tuple[FileEntry, ...]) -> ObjectEntry:
+def _parse_object(rd: _Reader, name: str, d: Any, files: tuple[FileEntry, ...], version: int) -> ObjectEntry:
     if not _OBJECT_NAME.fullmatch(name):
         raise rd.fail(f"object {name!r}", "unknown object name")
     skeleton = _parse_extent(rd, rd.get(d, "skeleton", dict, f"object {name!r}"), f"object {name!r} skeleton", files)
@@ -281,7 +390,131 @@ def _parse_object(rd: _Reader, name: str, d: Any, files: tuple[FileEntry, ...]) 
                         for j, e in enumerate(rd.get(s, "extents", list, where)))
         _check_coverage(rd, where, nbytes, extents)
         storages.append(StorageEntry(key, nbytes, extents))
-    return ObjectEntry(skeleton, tuple(storages))
+    tensors: tuple[TensorEntry, ...] = ()
+    if version >= 3:
+        sizes = {s.key: s.nbytes for s in storages}
+        tensors = tuple(_parse_tensor(rd, name, i, t, sizes)
+                        for i, t in enumerate(rd.get(d, "tensors", list, f"object {name!r}")))
+        seen: set[tuple[str | int, ...]] = set()
+        for t in tensors:
+            if t.path in seen:
+                raise rd.fail(f"object {name!r} tensor {t.key!r}", "listed twice")
+            seen.add(t.path)
+    return ObjectEntry(skeleton, tuple(storages), tensors)
+
+
+def _parse_path(rd: _Reader, d: Any, where: str) -> tuple[str | int, ...]:
+    path = rd.get(d, "path", list, where)
+    if not path or len(path) > MAX_NDIM * 4:
+        raise rd.fail(where, f"a key path has 1 to {MAX_NDIM * 4} parts, got {len(path)}")
+    for part in path:
+        if isinstance(part, bool) or not isinstance(part, (str, int)):
+            raise rd.fail(where, f"key path parts are strings or integers, got {part!r}")
+    return tuple(path)
+
+
+def _parse_dims(rd: _Reader, d: Any, key: str, where: str) -> tuple[int, ...]:
+    dims = rd.get(d, key, list, where)
+    if len(dims) > MAX_NDIM:
+        raise rd.fail(where, f"{key!r} has {len(dims)} dimensions (at most {MAX_NDIM})")
+    for n in dims:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise rd.fail(where, f"{key!r} must hold non-negative integers, got {n!r}")
+    return tuple(dims)
+
+
+def _parse_dtype(rd: _Reader, d: Any, where: str) -> str:
+    dtype = rd.get(d, "dtype", str, where)
+    if dtype not in DTYPE_SIZES:
+        raise rd.fail(where, f"unknown dtype {dtype!r}")
+    return dtype
+
+
+def _parse_tensor(rd: _Reader, name: str, i: int, d: Any, storages: dict[str, int]) -> TensorEntry:
+    where = f"object {name!r} tensor #{i}"
+    path = _parse_path(rd, d, where)
+    where = f"object {name!r} tensor {key_name(path)!r}"
+    dtype = _parse_dtype(rd, d, where)
+    shape, stride = _parse_dims(rd, d, "shape", where), _parse_dims(rd, d, "stride", where)
+    if len(stride) != len(shape):
+        raise rd.fail(where, f"shape {list(shape)} and stride {list(stride)} differ in length")
+    storage = rd.get(d, "storage", str, where)
+    if storage not in storages:
+        raise rd.fail(where, f"storage {storage!r} is not listed")
+    offset = rd.count(d, "offset", where)
+    if _volume(shape):
+        last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
+        if (last + 1) * DTYPE_SIZES[dtype] > storages[storage]:
+            raise rd.fail(where, f"the view (offset {offset}, shape {list(shape)}, stride {list(stride)}) lies "
+                                 f"beyond storage {storage!r} ({storages[storage]} bytes)")
+    return TensorEntry(path, dtype, shape, stride, storage, offset)
+
+
+def _parse_sharded(rd: _Reader, i: int, d: Any, files: tuple[FileEntry, ...]) -> ShardedEntry:
+    where = f"sharded tensor #{i}"
+    path = _parse_path(rd, d, where)
+    where = f"sharded tensor {key_name(path)!r}"
+    dtype = _parse_dtype(rd, d, where)
+    shape = _parse_dims(rd, d, "shape", where)
+    chunks = []
+    for j, c in enumerate(rd.get(d, "chunks", list, where)):
+        at = f"{where} chunk #{j}"
+        offsets, sizes = _parse_dims(rd, c, "offsets", at), _parse_dims(rd, c, "sizes", at)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise rd.fail(at, f"offsets {list(offsets)} and sizes {list(sizes)} must have the tensor's "
+                              f"{len(shape)} dimensions")
+        if any(o + n > g for o, n, g in zip(offsets, sizes, shape)):
+            raise rd.fail(at, f"the chunk at {list(offsets)} of size {list(sizes)} exceeds the tensor's global "
+                              f"shape {list(shape)}")
+        if not _volume(sizes):
+            raise rd.fail(at, "the chunk is empty")
+        extents = tuple(_parse_extent(rd, e, f"{at} extent #{k}", files)
+                        for k, e in enumerate(rd.get(c, "extents", list, at)))
+        _check_coverage(rd, at, _volume(sizes) * DTYPE_SIZES[dtype], extents)
+        chunks.append(ChunkEntry(offsets, sizes, extents))
+    _check_tiling(rd, where, shape, chunks)
+    return ShardedEntry(path, dtype, shape, tuple(chunks))
+
+
+def _check_tiling(rd: _Reader, where: str, shape: tuple[int, ...], chunks: list[ChunkEntry]) -> None:
+    problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+    if problem:
+        raise rd.fail(where, problem)
+
+
+def tiling_problem(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+    """What keeps ``boxes`` (offsets, sizes) from tiling a tensor of ``shape`` exactly: two that
+    overlap, or volumes that do not add up (with no overlap: a hole). Overlaps are looked for
+    among boxes whose first-dimension ranges meet."""
+    total = sum(_volume(n) for _, n in boxes)
+    if shape:
+        active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for o, n in sorted(boxes):
+            active = [(ao, an) for ao, an in active if ao[0] + an[0] > o[0]]
+            for ao, an in active:
+                if all(x < y + m and y < x + k for x, k, y, m in zip(o, n, ao, an)):
+                    return f"the chunks at {list(ao)} and {list(o)} overlap"
+            active.append((o, n))
+    elif len(boxes) > 1:
+        return f"a 0-dimensional tensor has {len(boxes)} chunks"
+    if total != _volume(shape):
+        return (f"the chunks hold {total} elements but the tensor has {_volume(shape)}: a part of the tensor "
+                "is missing")
+    return None
+
+
+def _check_unique_keys(rd: _Reader, replicated: ObjectEntry | None, sharded: tuple[ShardedEntry, ...]) -> None:
+    seen = {t.path for t in replicated.tensors} if replicated is not None else set()
+    for t in sharded:
+        if t.path in seen:
+            raise rd.fail(f"sharded tensor {t.key!r}", "its key is listed twice")
+        seen.add(t.path)
+
+
+def _parse_root_path(rd: _Reader, i: int, p: Any) -> str:
+    if not isinstance(p, str) or not p.startswith("/") or "\0" in p or len(p) > 4096:
+        raise rd.fail("header", f"root path #{i} must be an absolute path, got {p!r}")
+    return p
 
 
 def _check_coverage(rd: _Reader, where: str, nbytes: int, extents: tuple[ExtentEntry, ...]) -> None:
@@ -299,9 +532,14 @@ def _check_coverage(rd: _Reader, where: str, nbytes: int, extents: tuple[ExtentE
         raise rd.fail(where, f"extents cover {pos} bytes but the storage has {nbytes}")
 
 
-def _check_file_overlaps(rd: _Reader, files: tuple[FileEntry, ...], objects: dict[str, ObjectEntry]) -> None:
+def _check_file_overlaps(rd: _Reader, files: tuple[FileEntry, ...], objects: dict[str, ObjectEntry],
+                         sharded: tuple[ShardedEntry, ...] = ()) -> None:
     """No two extents (or skeletons) may claim the same bytes of a file."""
     by_file: dict[int, list[tuple[int, int, str]]] = {}
+    for t in sharded:
+        for c in t.chunks:
+            for e in c.extents:
+                by_file.setdefault(e.file, []).append((e.offset, e.nbytes, f"sharded tensor {t.key!r}"))
     for name, o in objects.items():
         by_file.setdefault(o.skeleton.file, []).append((o.skeleton.offset, o.skeleton.nbytes, f"object {name!r} skeleton"))
         for s in o.storages:

@@ -1,0 +1,250 @@
+"""Reading sharded tensors into any layout: each destination reads only the bytes it overlaps.
+
+A sharded tensor is saved as chunks (boxes of the global tensor, row-major, cut into extents).
+A destination is a box too: a DTensor's local shard at load time (any mesh, any placement), a
+plain tensor holding the whole tensor, or a fresh full tensor. For every destination and every
+saved chunk it meets, the intersection is read:
+
+* **straight into the destination** when the intersection is one contiguous byte range both in
+  the chunk and in the destination (same layout, or Shard(0) at another world size) and, when
+  verifying, that range is made of whole extents: the extents' bytes go from the file to the
+  destination's memory (O_DIRECT where the phases match), and are hashed there;
+* otherwise **through a buffer**: the whole extents covering the intersection are read into a
+  buffer, verified, and the intersection is copied out (Shard(0) -> Shard(1), sub-ranges).
+
+Buffers are bounded (:data:`BUFFER_BYTES` at a time), so no rank ever materialises a whole
+tensor it does not own. Every destination's global shape and dtype are checked before any byte
+is read, so a mismatch loads nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+from fastpersist.config import IOConfig
+from fastpersist.errors import ChecksumMismatchError
+from fastpersist.format import manifest as mf
+from fastpersist.io.backend import FileBackend
+from fastpersist.io.buffers import ALIGN, align_up, memory_view
+from fastpersist.io.files import DirectFile
+from fastpersist.io.reader import ReadFailedError, ReadRequest, allocate
+from fastpersist.sharded import _read_files, open_file
+
+# Buffered intersections read at once (a larger single one is read alone).
+BUFFER_BYTES = 256 << 20
+
+
+@dataclass
+class Target:
+    """Fill ``dest`` (the box ``[offsets, offsets + dest.shape)`` of ``entry``'s global tensor)."""
+
+    entry: mf.ShardedEntry
+    dest: torch.Tensor
+    offsets: tuple[int, ...]
+    fresh: bool = False  # dest was never touched (faulted in ahead of the reads)
+
+
+@dataclass
+class _Part:
+    """One (destination, chunk) intersection."""
+
+    target: Target
+    chunk: mf.ChunkEntry
+    start: tuple[int, ...]  # global start of the intersection
+    sizes: tuple[int, ...]
+    lo: int  # its first and past-last byte in the chunk
+    hi: int
+    extents: list[mf.ExtentEntry] = field(default_factory=list)
+    direct: bool = False
+    addr: int = 0  # where the range (direct) or the extents' first byte (buffered) lands
+    buffer: torch.Tensor | None = None
+
+
+def _row_major(sizes: Sequence[int]) -> list[int]:
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+    return strides
+
+
+def _contiguous_in(box_sizes: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Is a sub-box of sizes ``box_sizes`` one contiguous range of a row-major array of ``sizes``?"""
+    d = 0
+    while d < len(sizes) and box_sizes[d] == 1:
+        d += 1
+    return all(b == s for b, s in zip(box_sizes[d + 1:], sizes[d + 1:]))
+
+
+def intersect(a0: Sequence[int], an: Sequence[int], b0: Sequence[int], bn: Sequence[int]
+              ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    start = tuple(max(x, y) for x, y in zip(a0, b0))
+    end = tuple(min(x + n, y + m) for x, n, y, m in zip(a0, an, b0, bn))
+    if any(e <= s for s, e in zip(start, end)):
+        return None
+    return start, tuple(e - s for s, e in zip(start, end))
+
+
+def plan_parts(targets: Sequence[Target], verify: bool) -> list[_Part]:
+    parts = []
+    for t in targets:
+        e = t.entry
+        item = e.itemsize
+        shape = tuple(t.dest.shape)
+        dest_ok = t.dest.device.type == "cpu" and t.dest.is_contiguous()
+        for c in e.chunks:
+            met = intersect(t.offsets, shape, c.offsets, c.sizes)
+            if met is None:
+                continue
+            start, sizes = met
+            cs = _row_major(c.sizes)
+            local = [s - o for s, o in zip(start, c.offsets)]
+            first = sum(x * st for x, st in zip(local, cs))
+            last = sum((x + n - 1) * st for x, n, st in zip(local, sizes, cs))
+            p = _Part(t, c, start, sizes, first * item, (last + 1) * item)
+            p.extents = [x for x in c.extents if x.start < p.hi and x.start + x.nbytes > p.lo]
+            whole = p.extents[0].start == p.lo and p.extents[-1].start + p.extents[-1].nbytes == p.hi
+            p.direct = (dest_ok and _contiguous_in(sizes, c.sizes) and _contiguous_in(sizes, shape)
+                        and (whole or not verify))
+            if p.direct:
+                ds = _row_major(shape)
+                p.addr = t.dest.data_ptr() + sum((s - o) * st for s, o, st in zip(start, t.offsets, ds)) * item
+            parts.append(p)
+    return parts
+
+
+def _span(p: _Part, verify: bool) -> tuple[int, int]:
+    """The chunk bytes a part reads: whole extents when verifying a buffered part."""
+    if verify and not p.direct:
+        return p.extents[0].start, p.extents[-1].start + p.extents[-1].nbytes
+    return p.lo, p.hi
+
+
+def _requests(p: _Part, verify: bool) -> list[tuple[int, ReadRequest]]:
+    lo, hi = _span(p, verify)
+    out = []
+    for x in p.extents:
+        a, b = max(lo, x.start), min(hi, x.start + x.nbytes)
+        n = b - a
+        out.append((x.file, ReadRequest(x.offset + a - x.start, n, p.addr + a - lo, n,
+                                        fresh=p.direct and p.target.fresh)))
+    return out
+
+
+def read_sharded(dirs: Sequence[str], manifest: mf.Manifest, targets: Sequence[Target], *, verify: bool,
+                 config: IOConfig, backend: FileBackend | None = None) -> int:
+    """Fill every target from checkpoint ``manifest`` (its directories ``dirs``); returns the
+    bytes read. Errors name the tensor's key, the file and the offset."""
+    wanted = {t.entry.path for t in targets}
+    needed = sorted({x.file for t in targets for c in t.entry.chunks for x in c.extents
+                     if intersect(t.offsets, tuple(t.dest.shape), c.offsets, c.sizes) is not None})
+    files: dict[int, DirectFile] = {}
+    try:
+        for index in needed:
+            files[index] = open_file(dirs, manifest, index, config.direct, backend)
+        try:
+            return _fill(dirs[0], targets, files, verify=verify, config=config)
+        except ReadFailedError as e:
+            keys = sorted({mf.key_name(p) for p in wanted
+                           for ent in manifest.sharded if ent.path == p for c in ent.chunks for x in c.extents
+                           if files.get(x.file) is not None and files[x.file].path == e.path
+                           and x.offset < e.offset + e.nbytes and e.offset < x.offset + x.nbytes})
+            what = f" (sharded tensor{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys[:5]))})" if keys else ""
+            raise ReadFailedError(f"{e}{what} of checkpoint step {manifest.step}", e.path, e.offset, e.nbytes) from e
+    finally:
+        for file in files.values():
+            file.close()
+
+
+def _fill(path: str, targets: Sequence[Target], files: dict[int, DirectFile], *, verify: bool,
+          config: IOConfig) -> int:
+    parts = plan_parts(targets, verify)
+    total = 0
+    batch: list[_Part] = []
+    held = 0
+    for p in parts + [None]:  # type: ignore[list-item]
+        if p is not None and not p.direct:
+            lo, hi = _span(p, verify)
+            need = align_up(hi - lo) + ALIGN
+            if batch and held + need > BUFFER_BYTES:
+                total += _run(path, batch, files, verify, config)
+                batch, held = [], 0
+            held += need
+        if p is None:
+            total += _run(path, batch, files, verify, config)
+        else:
+            batch.append(p)
+    return total
+
+
+def _run(path: str, parts: list[_Part], files: dict[int, DirectFile], verify: bool, config: IOConfig) -> int:
+    if not parts:
+        return 0
+    by_file: dict[int, list[ReadRequest]] = {}
+    for p in parts:
+        if not p.direct:
+            lo, hi = _span(p, verify)
+            big = max(p.extents, key=lambda x: x.nbytes)
+            buf = allocate(path, align_up(hi - lo) + 2 * ALIGN)
+            phase = (big.offset - (big.start - lo)) % ALIGN  # the largest extent's file phase
+            p.buffer = buf
+            p.addr = buf.data_ptr() + phase
+        for f, r in _requests(p, verify):
+            by_file.setdefault(f, []).append(r)
+    _read_files(files, by_file, config)
+    if verify:
+        _verify(path, parts, files, config.reader_threads)
+    for p in parts:
+        if not p.direct:
+            _copy_out(p, verify)
+            p.buffer = None
+    return sum(_span(p, verify)[1] - _span(p, verify)[0] for p in parts)
+
+
+def _verify(path: str, parts: list[_Part], files: dict[int, DirectFile], threads: int) -> None:
+    work = []
+    for p in parts:
+        lo = p.lo if p.direct else _span(p, True)[0]
+        for x in p.extents:
+            work.append((p, x, p.addr + x.start - lo))
+    bad: list[str] = []
+    lock = threading.Lock()
+
+    def check(item: tuple[_Part, mf.ExtentEntry, int]) -> None:
+        p, x, addr = item
+        got = xxhash.xxh3_64_intdigest(memory_view(addr, x.nbytes))
+        if got != x.checksum:
+            with lock:
+                bad.append(f"{files[x.file].path}: sharded tensor {p.target.entry.key!r} chunk at "
+                           f"{list(p.chunk.offsets)} bytes {x.start}..{x.start + x.nbytes} (file offset {x.offset}) "
+                           f"fail their checksum (stored {x.checksum:016x}, read {got:016x})")
+
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastpersist-verify") as ex:
+        list(ex.map(check, work))
+    if bad:
+        bad.sort()
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ChecksumMismatchError(f"{bad[0]}{more}; the checkpoint is corrupt")
+
+
+def _copy_out(p: _Part, verify: bool) -> None:
+    t, c = p.target, p.chunk
+    dtype = t.dest.dtype
+    item = t.entry.itemsize
+    lo, _ = _span(p, verify)
+    buffer = p.buffer if p.buffer is not None else torch.empty(0, dtype=torch.uint8)
+    base = p.addr - buffer.data_ptr()
+    flat = buffer[base + (p.lo - lo): base + (p.hi - lo)]
+    if flat.data_ptr() % item:  # keep element alignment for the typed view
+        flat = flat.clone()
+    src = flat.view(dtype)
+    cs = _row_major(c.sizes)
+    view = src.as_strided(p.sizes, cs, src.storage_offset())
+    index = tuple(slice(s - o, s - o + n) for s, o, n in zip(p.start, t.offsets, p.sizes))
+    t.dest[index].copy_(view)
+

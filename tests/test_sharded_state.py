@@ -1,0 +1,296 @@
+"""Sharded state (DTensors) through the Checkpointer: FSDP2 (fully_shard on a CPU mesh, gloo)
+model and AdamW state saved at 4 ranks over 2 roots, each rank writing its own shards, a shard
+replicated over a mesh dimension written once; loaded at 4, 3, 2 and 1 rank(s), Shard(0) ->
+Shard(1), a 2x2 (Replicate, Shard) mesh -> a 1-D mesh, world size 1 without a process group,
+every tensor bit-exact against the full tensors gathered at save time."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import run_ranks
+
+import fastpersist
+from fastpersist import Checkpointer
+from fastpersist.errors import CheckpointError, CheckpointReadError, CorruptCheckpointError
+from fastpersist.format import manifest as mf
+
+D_IN, D_HID, D_OUT = 48, 130, 37
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, D_HID), torch.nn.ReLU(), torch.nn.Linear(D_HID, D_OUT))
+
+
+def _fsdp(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    m = _model()
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def _full(obj, prefix=""):
+    """Every tensor of a nested state, gathered whole, by dotted key."""
+    out = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_full(v, f"{prefix}{k}."))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(_full(v, f"{prefix}{i}."))
+    elif isinstance(obj, torch.Tensor):
+        out[prefix[:-1]] = (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
+    else:
+        out[prefix[:-1]] = obj
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+        else:
+            assert a[k] == b[k], k
+
+
+def _trained(world: int):
+    m, opt = _fsdp(world)
+    torch.manual_seed(1 + dist.get_rank())
+    m(torch.randn(8, D_IN)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def _save_fsdp(rank: int, world: int, roots: list[str]) -> dict:
+    m, opt = _trained(world)
+    with Checkpointer(roots, mode="snapshot") as ckpt:
+        ckpt.save(7, {"model": m, "optim": opt, "step": 7})
+    return _full({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
+
+
+def _load_fsdp(rank: int, world: int, roots: list[str]) -> dict:
+    m, opt = _trained(world)  # state exists (other values): load must overwrite every byte
+    for p in m.parameters():
+        p.data.to_local().fill_(0.5)
+    ckpt = Checkpointer(roots)
+    ckpt.load(7, into={"model": m, "optim": opt})
+    ckpt.close()
+    return _full({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
+
+
+@pytest.fixture(scope="module")
+def fsdp_saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    roots = [str(tmp / "nvme0"), str(tmp / "nvme1")]
+    full = run_ranks(tmp, 4, _save_fsdp, roots)[0]
+    return tmp, roots, full
+
+
+def _manifest(roots: list[str], step: int = 7) -> mf.Manifest:
+    return fastpersist.open(roots).manifest(step)
+
+
+def test_every_rank_writes_its_shards_over_both_roots(fsdp_saved):
+    _, roots, full = fsdp_saved
+    man = _manifest(roots)
+    assert man.version == 3 and man.root_paths == tuple(os.path.abspath(r) for r in roots)
+    keys = {t.key for t in man.sharded}
+    assert "model.0.weight" in keys and "optim.state.0.exp_avg" in keys
+    # written once: the sharded bytes on disk equal the tensors' sizes
+    assert sum(c.nbytes for t in man.sharded for c in t.chunks) == sum(full[t.key].nbytes for t in man.sharded)
+    writers = {(f.root, f.name.split("-")[2]) for f in man.files if f"-{mf.SHARDED}-" in f.name}
+    assert writers == {(root, f"r{r:05d}") for root in (0, 1) for r in range(4)}, writers
+    per_root = [sum(e.nbytes for t in man.sharded for c in t.chunks for e in c.extents if man.files[e.file].root == j)
+                for j in (0, 1)]
+    assert abs(per_root[0] - per_root[1]) <= 4 * 4096 * 8, per_root
+    # the replicated part knows nothing of the shards (None where they were) and indexes "step"
+    assert not [t for t in man.objects[mf.REPLICATED].tensors if t.key.startswith("model.")]
+
+
+@pytest.mark.parametrize("world", [4, 3, 2])
+def test_reshard_load_is_exact(fsdp_saved, world):
+    tmp, roots, full = fsdp_saved
+    _same(run_ranks(tmp, world, _load_fsdp, roots)[0], full)
+
+
+def test_load_at_world_size_one_without_a_process_group(fsdp_saved):
+    _, roots, full = fsdp_saved
+    assert not dist.is_initialized()
+    state = fastpersist.open(roots).load(7)
+    _same(_full(state), full)
+    # into a plain model: filled in place
+    m = _model()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(3.0)
+    fastpersist.open(roots).load(7, into={"model": m})
+    _same(_full({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")})
+
+
+def test_keys_reads_only_those_tensors(fsdp_saved):
+    _, roots, full = fsdp_saved
+    view = fastpersist.open(roots)
+    wanted = ["model.2.bias", "optim.state.0.exp_avg_sq", "optim.state.0.step"]
+    got = view.load(7, keys=wanted)
+    assert list(got) == wanted
+    for k, v in got.items():
+        assert v.dtype == full[k].dtype and torch.equal(v, full[k]), k
+    assert not got["optim.state.0.step"].is_sharded if hasattr(got["optim.state.0.step"], "is_sharded") else True
+    with pytest.raises(CheckpointReadError, match="no tensor 'model.9.weight'"):
+        view.load(7, keys=["model.9.weight"])
+    infos = {t.key: t for t in view.tensors(7)}
+    assert infos["model.0.weight"].sharded and infos["model.0.weight"].shape == (D_HID, D_IN)
+    assert infos["model.0.weight"].chunks == 4
+
+
+def test_convert_writes_full_tensors_for_torch_load(fsdp_saved, tmp_path):
+    _, roots, full = fsdp_saved
+    from fastpersist.cli import main
+
+    out = str(tmp_path / "full.pt")
+    assert main(["convert", os.path.join(roots[0], "step-00000007"), out, "--root", roots[1]]) == 0
+    _same(_full(torch.load(out, weights_only=True)), full)
+
+
+# ---- a 2x2 mesh (Replicate, Shard(0)): the replicated shard written once, split over its holders
+
+
+def _save_2d(rank: int, world: int, roots: list[str]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(0)
+    big = torch.randn(1024, 640)  # 2.5 MiB: its shards are split over their two holders
+    small = torch.arange(60, dtype=torch.int64).reshape(6, 10)
+    state = {"big": distribute_tensor(big, mesh, [Replicate(), Shard(0)]),
+             "small": distribute_tensor(small, mesh, [Shard(1), Replicate()]),
+             "plain": torch.ones(3)}
+    with Checkpointer(roots, mode="sync") as ckpt:
+        ckpt.save(1, state)
+    return {"big": big, "small": small, "plain": torch.ones(3)}
+
+
+def _load_1d_shard1(rank: int, world: int, roots: list[str]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"big": distribute_tensor(torch.zeros(1024, 640), mesh, [Shard(1)]),
+             "small": distribute_tensor(torch.zeros(6, 10, dtype=torch.int64), mesh, [Shard(0)]),
+             "plain": torch.zeros(3)}
+    got = fastpersist.open(roots).load(1, into=state)
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in got.items()}
+
+
+def test_2x2_mesh_to_1d_shard1(tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    full = run_ranks(tmp_path, 4, _save_2d, roots)[0]
+    man = _manifest(roots, 1)
+    big = man.sharded_by_key()["big"]
+    assert len(big.chunks) == 2  # two distinct shards, not four
+    assert sum(c.nbytes for c in big.chunks) == full["big"].nbytes
+    writers = {man.files[e.file].name.split("-")[2] for c in big.chunks for e in c.extents}
+    assert writers == {"r00000", "r00001", "r00002", "r00003"}  # each shard split over its 2 holders
+    for world in (2, 3):
+        _same(run_ranks(tmp_path, world, _load_1d_shard1, roots)[0], full)
+    _same(fastpersist.open(roots).load(1), full)
+
+
+# ---- bad input
+
+
+def _edit_manifest(root: str, step: int, edit) -> None:
+    path = os.path.join(root, f"step-{step:08d}", "manifest.json")
+    with open(path, "rb") as f:
+        raw = f.read()
+    doc = json.loads(raw)
+    edit(doc)
+    doc.pop("manifest_checksum")
+    body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        f.write(mf.seal(body))
+
+
+@pytest.fixture
+def copy_of(fsdp_saved, tmp_path):
+    import shutil
+
+    _, roots, full = fsdp_saved
+    new = [str(tmp_path / os.path.basename(r)) for r in roots]
+    for a, b in zip(roots, new):
+        shutil.copytree(a, b)
+    return new, full
+
+
+def test_overlapping_chunks_are_refused_naming_the_key(copy_of):
+    roots, _ = copy_of
+
+    def edit(doc):
+        t = next(t for t in doc["sharded"] if t["path"] == ["model", "0.weight"])
+        t["chunks"][1]["offsets"][0] -= 1
+
+    _edit_manifest(roots[0], 7, edit)
+    with pytest.raises(CorruptCheckpointError, match=r"sharded tensor 'model.0.weight'.*overlap"):
+        fastpersist.open(roots).load(7)
+
+
+def test_a_missing_chunk_is_refused_naming_the_key(copy_of):
+    roots, _ = copy_of
+
+    def edit(doc):
+        t = next(t for t in doc["sharded"] if t["path"] == ["optim", "state", 2, "exp_avg"])
+        del t["chunks"][-1]
+
+    _edit_manifest(roots[0], 7, edit)
+    with pytest.raises(CorruptCheckpointError, match=r"sharded tensor 'optim.state.2.exp_avg'.*missing"):
+        fastpersist.open(roots).load(7)
+
+
+def test_a_missing_data_file_names_the_file(copy_of):
+    roots, _ = copy_of
+    step = os.path.join(roots[1], "step-00000007")
+    victim = next(n for n in sorted(os.listdir(step)) if f"-{mf.SHARDED}-r00002-" in n)
+    os.remove(os.path.join(step, victim))
+    with pytest.raises(CorruptCheckpointError, match=victim):
+        fastpersist.open(roots).load(7)
+
+
+def test_a_flipped_byte_names_the_tensor(copy_of):
+    roots, _ = copy_of
+    man = _manifest(roots)
+    t = man.sharded_by_key()["model.0.weight"]
+    e = t.chunks[0].extents[0]
+    path = os.path.join(roots[man.files[e.file].root], "step-00000007", man.files[e.file].name)
+    with open(path, "r+b") as f:
+        f.seek(e.offset + 5)
+        b = f.read(1)
+        f.seek(e.offset + 5)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(CheckpointError, match="model.0.weight"):
+        fastpersist.open(roots).load(7)
+    problems = fastpersist.open(roots).verify(7)
+    assert len(problems) == 1 and "model.0.weight" in str(problems[0])
+
+
+def test_another_global_shape_loads_nothing(copy_of):
+    roots, _ = copy_of
+    m = torch.nn.Sequential(torch.nn.Linear(D_IN, D_HID + 1), torch.nn.ReLU(), torch.nn.Linear(D_HID + 1, D_OUT))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(CheckpointReadError, match=r"'model.0.weight'.*shape \[130, 48\].*\[131, 48\].*nothing"):
+        fastpersist.open(roots).load(7, into={"model": m})
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -6,7 +6,9 @@ from fastpersist.cli.bench import Sample, Series, gpt_state, table, tensor_bytes
 
 def test_unknown_command_is_usage_error(capsys):
     assert main(["no-such-command"]) == 2
-    assert "bench" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "'no-such-command'" in err and all(c in err for c in ("demo", "bench", "ls", "convert", "verify"))
 
 
 def test_gpt_state_has_the_requested_size_and_shape():
@@ -116,5 +118,7 @@ def test_verify_single_file_and_garbage(tmp_path, capsys):
         f.write(b"junk" * 10)
     assert main(["verify", good]) == 1
     (tmp_path / "notckpt").mkdir()
-    assert main(["verify", str(tmp_path / "notckpt")]) == 1
-    assert "holds no committed checkpoint" in capsys.readouterr().out
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "notckpt")]) == 2  # not a checkpoint: a wrong path
+    out, err = capsys.readouterr()
+    assert "holds no committed checkpoint" in err and out == ""

@@ -28,16 +28,19 @@ def wanted(quiet: bool, stream: TextIO | None = None) -> bool:
 
 
 class Progress:
-    """A byte counter; call it with increments (thread-safe). A bar only if ``enabled``."""
+    """A counter of bytes (or of ``unit``); call it with increments (thread-safe). A bar only if
+    ``enabled``: done, total, rate and time left."""
 
-    def __init__(self, total: int | None, desc: str, *, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int | None, desc: str, *, enabled: bool, stream: TextIO | None = None,
+                 unit: str = "B") -> None:
         self.done = 0
         self._lock = threading.Lock()
         self._bar: Any = None
         if enabled:
             from tqdm import tqdm  # imported only when a bar is shown
 
-            self._bar = tqdm(total=total or None, desc=desc, unit="iB", unit_scale=True, unit_divisor=1024,
+            scaled = {"unit": "iB", "unit_scale": True, "unit_divisor": 1024} if unit == "B" else {"unit": unit}
+            self._bar = tqdm(total=total or None, desc=desc, **scaled,
                              file=sys.stderr if stream is None else stream, leave=False, dynamic_ncols=True,
                              mininterval=0.2)
 
@@ -46,6 +49,12 @@ class Progress:
             self.done += nbytes
             if self._bar is not None:
                 self._bar.update(nbytes)
+
+    def describe(self, desc: str) -> None:
+        """Name what is being done now (shown before the bar)."""
+        with self._lock:
+            if self._bar is not None:
+                self._bar.set_description_str(desc)
 
     def close(self) -> None:
         with self._lock:

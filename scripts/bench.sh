@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sets up and runs the main job: the single-file benchmark at its default size (1 GiB state,
-# 3 alternating rounds). Extra arguments go to `fastpersist bench` (e.g. --sizes 2,4).
+# Sets up (.venv, see setup.sh) and runs the single-file benchmark at its default size (1 GiB
+# state, 4 rounds). Extra arguments go to `fastpersist bench` (e.g. --sizes 2,4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec ${PYTHON:-python3} -m fastpersist bench "$@"
+exec .venv/bin/python -m fastpersist bench "$@"

@@ -1,19 +1,40 @@
 #!/usr/bin/env bash
-# Installs fastpersist and what its tests and benchmarks need, on a fresh machine.
-# torch is pinned first: this machine keeps the CPU wheel of torch 2.13.0 on disk, while a bare
-# "torch" requirement would pull a multi-GB CUDA build.
+# Installs fastpersist and what its tests, benchmarks and demo need into a project-local virtual
+# environment, .venv, and nothing else: the packages of the Python that runs this script (and of
+# any environment the user has) are never installed, upgraded or replaced.
+#
+# torch is pinned first (the CPU wheel of torch 2.13.0: a bare "torch" requirement would pull a
+# multi-GB CUDA build), and a constraint file holds it at that version while the extras install.
+# A second run is quick: when .venv holds a stamp matching pyproject.toml and this script, nothing
+# is reinstalled. FASTPERSIST_SETUP_FORCE=1 reinstalls anyway; PYTHON chooses the interpreter
+# that creates the environment (python3 by default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-$PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
-# The integrations extra (Lightning, transformers, accelerate) for the integration tests; the
-# constraint keeps pip from replacing the pinned torch.
+VENV=.venv
+VPY=$VENV/bin/python
+STAMP=$VENV/.fastpersist-setup
+WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+if [ -x "$VPY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
+        && [ "${FASTPERSIST_SETUP_FORCE:-0}" != 1 ]; then
+    exit 0  # complete and current
+fi
+
+if [ ! -x "$VPY" ]; then
+    ${PYTHON:-python3} -m venv "$VENV"
+fi
+rm -f "$STAMP"   # written again only when every step below has succeeded
+PIP=("$VPY" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" "torch==2.13.0"
+# Lightning, transformers and accelerate (integrations), matplotlib (plot), pytest and mypy
+# (test), psutil (bench); the constraint keeps pip from replacing the pinned torch.
 CONSTRAINT=$(mktemp)
-$PY -c "import torch; print('torch==' + torch.__version__)" > "$CONSTRAINT"
-$PY -m pip install -q --disable-pip-version-check -c "$CONSTRAINT" -e ".[test,bench,integrations]"
-rm -f "$CONSTRAINT"
+trap 'rm -f "$CONSTRAINT"' EXIT
+"$VPY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$CONSTRAINT"
+"${PIP[@]}" -c "$CONSTRAINT" -e ".[test,bench,integrations,plot]"
 # fio measures the device's own limit in the benchmark (optional: a raw O_DIRECT probe stands in).
 if ! command -v fio >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio) >/dev/null 2>&1 \
-        || echo "setup: fio could not be installed; the benchmark will use its raw O_DIRECT probe"
+        || echo "setup: fio could not be installed; the benchmark will use its raw O_DIRECT probe" >&2
 fi
+echo "$WANT" > "$STAMP"

@@ -1,6 +1,15 @@
-"""fastpersist: checkpoint PyTorch training every iteration without slowing it down."""
+"""fastpersist: checkpoint PyTorch training every iteration without slowing it down.
 
-from fastpersist.checkpointer import Checkpointer
+The names below are imported on first use (PEP 562), so ``import fastpersist`` and the
+command line's ``--help`` and ``--version`` do not import torch; ``fastpersist.Checkpointer``
+and the rest behave exactly as if imported eagerly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fastpersist.config import IOConfig, configure, get_config
 from fastpersist.errors import (
     CheckpointerClosedError,
@@ -18,12 +27,44 @@ from fastpersist.errors import (
     UnsafeFileError,
     UnverifiedCheckpointError,
 )
-from fastpersist.handle import SaveHandle, SaveMetrics
-from fastpersist.single_file import load, save
-from fastpersist.state import RNGState
-from fastpersist.view import CheckpointInfo, CheckpointView, list_checkpoints, load_checkpoint, open
+
+if TYPE_CHECKING:
+    from fastpersist.checkpointer import Checkpointer
+    from fastpersist.handle import SaveHandle, SaveMetrics
+    from fastpersist.single_file import load, save
+    from fastpersist.state import RNGState
+    from fastpersist.view import CheckpointInfo, CheckpointView, list_checkpoints, load_checkpoint, open
 
 __version__ = "0.1.0"
+
+# The names that need torch, and the module each comes from.
+_LAZY = {
+    "Checkpointer": "fastpersist.checkpointer",
+    "SaveHandle": "fastpersist.handle",
+    "SaveMetrics": "fastpersist.handle",
+    "load": "fastpersist.single_file",
+    "save": "fastpersist.single_file",
+    "RNGState": "fastpersist.state",
+    "CheckpointInfo": "fastpersist.view",
+    "CheckpointView": "fastpersist.view",
+    "list_checkpoints": "fastpersist.view",
+    "load_checkpoint": "fastpersist.view",
+    "open": "fastpersist.view",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastpersist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CheckpointError",

@@ -460,9 +460,10 @@ class Checkpointer:
 
     def _log(self, m: SaveMetrics) -> None:
         self.history.append(m)
-        logger.info("checkpoint step %d committed (%s%s): %.1f MiB in %.3f s (%.2f GB/s); training blocked %.1f ms "
+        logger.info("checkpoint step %d committed (%s%s): %.1f MiB in %.3f s (%.2f GiB/s); training blocked %.1f ms "
                     "(save %.1f + step %.1f); wrote %.1f MiB on this rank in %.3f s",
-                    m.step, m.mode, ", inline" if m.inline else "", m.bytes_total / 2**20, m.total_s, m.gbps,
+                    m.step, m.mode, ", inline" if m.inline else "", m.bytes_total / 2**20, m.total_s,
+                    m.bytes_total / 2**30 / m.total_s if m.total_s > 0 else 0.0,
                     m.blocked_s * 1e3, m.save_call_s * 1e3, m.step_wait_s * 1e3, m.bytes_written / 2**20, m.write_s)
 
     def _run(self, job: _Job) -> None:

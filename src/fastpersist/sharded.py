@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -544,14 +544,16 @@ class Problem:
 
 
 def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20,
-           backend: FileBackend | None = None) -> tuple[list[Problem], int]:
+           backend: FileBackend | None = None,
+           progress: Callable[[int], None] | None = None) -> tuple[list[Problem], int]:
     """Run every check :func:`read_object` runs, on every object, and read every byte the
     manifest lists; never stops at the first problem and never raises. Returns the problems
     and the number of bytes verified.
 
     The checks are load's own (the functions above); what load would build, verify builds on
     the meta device with the weights-only unpickler, so a skeleton that load refuses by default
-    is a problem here too. Data is hashed in ``chunk`` pieces, so memory stays bounded.
+    is a problem here too. Data is hashed in ``chunk`` pieces, so memory stays bounded;
+    ``progress``, if given, is called with the byte count of each piece hashed.
     """
     problems: list[Problem] = []
     where = _manifest_path(dirs)
@@ -566,11 +568,11 @@ def verify(dirs: Sequence[str], manifest: mf.Manifest, chunk: int = 16 << 20,
                 _collect(problems, path, "file", lambda i=i, file=file: check_size(file, manifest, i))
         checked = 0
         for name, obj in sorted(manifest.objects.items()):
-            checked += _verify_object(problems, dirs, manifest, name, obj, files, chunk)
+            checked += _verify_object(problems, dirs, manifest, name, obj, files, chunk, progress)
         for t in manifest.sharded:
             for c in t.chunks:
                 checked += _verify_extents(problems, dirs, manifest, files, chunk, c.extents,
-                                           f"sharded tensor {t.key!r} chunk at {list(c.offsets)}")
+                                           f"sharded tensor {t.key!r} chunk at {list(c.offsets)}", progress)
     finally:
         for file in files.values():
             file.close()
@@ -597,7 +599,8 @@ def _without_path(message: str, path: str) -> str:
 
 
 def _verify_object(problems: list[Problem], dirs: Sequence[str], manifest: mf.Manifest, name: str,
-                   obj: mf.ObjectEntry, files: dict[int, DirectFile], chunk: int) -> int:
+                   obj: mf.ObjectEntry, files: dict[int, DirectFile], chunk: int,
+                   progress: Callable[[int], None] | None = None) -> int:
     sk = obj.skeleton.file
     if sk in files:
         path = _file_path(dirs, manifest, sk)
@@ -611,12 +614,13 @@ def _verify_object(problems: list[Problem], dirs: Sequence[str], manifest: mf.Ma
     checked = obj.skeleton.nbytes
     for s in obj.storages:
         checked += _verify_extents(problems, dirs, manifest, files, chunk, s.extents,
-                                   f"object {name!r} {storage_name(manifest, name, s.key)}")
+                                   f"object {name!r} {storage_name(manifest, name, s.key)}", progress)
     return checked
 
 
 def _verify_extents(problems: list[Problem], dirs: Sequence[str], manifest: mf.Manifest,
-                    files: dict[int, DirectFile], chunk: int, extents: Sequence[mf.ExtentEntry], owner: str) -> int:
+                    files: dict[int, DirectFile], chunk: int, extents: Sequence[mf.ExtentEntry], owner: str,
+                    progress: Callable[[int], None] | None = None) -> int:
     checked = 0
     for e in extents:
         if e.file not in files:
@@ -626,7 +630,8 @@ def _verify_extents(problems: list[Problem], dirs: Sequence[str], manifest: mf.M
         if e.offset + e.nbytes > file_size(files[e.file].fd):
             problems.append(Problem(path, what, e.offset, "lies beyond the end of the file"))
             continue
-        got = _collect(problems, path, what, lambda e=e, path=path: _hash_range(files[e.file], path, e, chunk))
+        got = _collect(problems, path, what,
+                       lambda e=e, path=path: _hash_range(files[e.file], path, e, chunk, progress))
         if got is None:
             continue
         checked += e.nbytes
@@ -636,11 +641,14 @@ def _verify_extents(problems: list[Problem], dirs: Sequence[str], manifest: mf.M
     return checked
 
 
-def _hash_range(file: DirectFile, path: str, e: mf.ExtentEntry, chunk: int) -> int:
+def _hash_range(file: DirectFile, path: str, e: mf.ExtentEntry, chunk: int,
+                progress: Callable[[int], None] | None = None) -> int:
     h = xxhash.xxh3_64()
     done = 0
     while done < e.nbytes:
         n = min(chunk, e.nbytes - done)
         h.update(file.read_exact(e.offset + done, n))
         done += n
+        if progress is not None:
+            progress(n)
     return h.intdigest()

@@ -137,24 +137,24 @@ def _read_small(path: str, file: DirectFile, records: dict[str, torchzip.Record]
 
 
 def _read_storages(path: str, file: DirectFile, records: dict[str, torchzip.Record],
-                   cfg: IOConfig) -> tuple[torch.Tensor, int]:
+                   cfg: IOConfig, progress: Callable[[int], None] | None = None) -> tuple[torch.Tensor, int]:
     """One aligned buffer holding the file's bytes from the first storage to the last, and the
     file offset its first byte stands for."""
     data = [r for r in records.values() if r.name.startswith("data/")]
     base = align_down(min((r.offset for r in data), default=0))
     end = max((r.offset + r.nbytes for r in data), default=base)
     region = allocate(path, align_up(end - base))
-    read_into(file, [ReadRequest(base, end - base, region.data_ptr(), region.numel(), fresh=True)], cfg)
+    read_into(file, [ReadRequest(base, end - base, region.data_ptr(), region.numel(), fresh=True)], cfg, progress)
     return region, base
 
 
-def _read(path: str, cfg: IOConfig,
-          backend: FileBackend) -> tuple[dict[str, torchzip.Record], dict[str, bytes], torch.Tensor, int]:
+def _read(path: str, cfg: IOConfig, backend: FileBackend, progress: Callable[[int], None] | None = None
+          ) -> tuple[dict[str, torchzip.Record], dict[str, bytes], torch.Tensor, int]:
     file = _open_for_read(path, cfg, backend)
     try:
         records = torchzip.read_directory(path, file.read_exact, file_size(file.fd))
         small = _read_small(path, file, records)
-        region, base = _read_storages(path, file, records, cfg)
+        region, base = _read_storages(path, file, records, cfg, progress)
     except OSError as e:
         raise CheckpointReadError(f"reading {path} failed: {e.strerror or e}") from e
     finally:
@@ -170,6 +170,7 @@ def load(
     verify: bool | None = None,
     config: IOConfig | None = None,
     backend: FileBackend | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Any:
     """Load a file written by :func:`save` (or by ``torch.save``).
 
@@ -181,12 +182,13 @@ def load(
     :class:`UnverifiedCheckpointError` unless ``verify=False``.
 
     Every failure is a :class:`CheckpointError` naming the file and the cause. ``backend`` is
-    the file seam (default: real files).
+    the file seam (default: real files). ``progress``, if given, is called with the byte count
+    of each completed read of tensor data (from reader threads).
     """
     cfg = config or get_config()
     path = os.fspath(path)
     do_verify = cfg.verify if verify is None else verify
-    records, small, region, base = _read(path, cfg, backend or FileBackend())
+    records, small, region, base = _read(path, cfg, backend or FileBackend(), progress)
     if do_verify:
         integrity.check(path, records, small, _record_bytes(records, small, region, base), cfg.reader_threads)
     sizes = {n[len("data/"):]: r.nbytes for n, r in records.items() if n.startswith("data/")}

@@ -136,7 +136,7 @@ def _set_cuda_states(states: Sequence[Any]) -> None:  # pragma: no cover - no GP
 
     count = torch.cuda.device_count()
     if len(states) != count:
-        logger.warning("fastpersist: the RNG state holds %d CUDA generators, this process sees %d devices: "
+        logger.warning("the RNG state holds %d CUDA generators, this process sees %d devices: "
                        "restoring the first %d", len(states), count, min(len(states), count))
     for i, s in enumerate(states[:count]):
         torch.cuda.set_rng_state(s.cpu(), i)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,10 +184,14 @@ class CheckpointView:
         return load_object(dirs, manifest, name, into, map_location, weights_only, verify, self.config,
                            self.backend)
 
-    def verify(self, step: int | str = "latest") -> builtins.list[sharded.Problem]:
-        """Read every byte of ``step`` and check every checksum; the problems found (empty: OK)."""
+    def verify(self, step: int | str = "latest", *,
+               progress: Callable[[int], None] | None = None) -> builtins.list[sharded.Problem]:
+        """Read every byte of ``step`` and check every checksum; the problems found (empty: OK).
+
+        ``progress``, if given, is called with the byte count of each piece of data hashed.
+        """
         dirs, manifest = self._dirs(step)
-        return sharded.verify(dirs, manifest, backend=self.backend)[0]
+        return sharded.verify(dirs, manifest, backend=self.backend, progress=progress)[0]
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import fastpersist as fp
+from fastpersist.cli._progress import Progress
 
 GB = 1e9
 MiB = 1 << 20
@@ -276,7 +277,7 @@ def _fmt(xs: list[float], digits: int = 2) -> str:
 
 def run_size(
     gib: float, rounds: int, workdir: str, dcp_threads: int, log: Callable[[str], None], settle: float = 2.0,
-    probe_bytes: int | None = None,
+    probe_bytes: int | None = None, progress: Progress | None = None,
 ) -> tuple[dict[str, Series], int]:
     state = gpt_state(gib)
     payload = tensor_bytes(state)
@@ -293,6 +294,12 @@ def run_size(
     }
     dcp_name = f"DCP FileSystemWriter t{dcp_threads}"
     cold = True
+
+    def tick(name: str) -> None:  # one timed run done (the progress bar counts runs)
+        if progress is not None:
+            progress.describe(f"{gib:g} GiB {name}")
+            progress(1)
+
     for r in range(rounds):
         log(f"  {gib:g} GiB round {r + 1}/{rounds}: saves")
         saves: list[tuple[str, str, Callable[[], None]]] = [
@@ -314,11 +321,13 @@ def run_size(
             else:
                 s, _ = measure(fn)
                 series[name].add(s, payload)
+            tick(name)
 
         log(f"  {gib:g} GiB round {r + 1}/{rounds}: loads")
         cold &= drop_caches()
         s, gbps, _ = device_probe(paths["fio.bin"], "read", probe)
         series["device read"].add(s, probe, gbps)
+        tick("device read")
         for name, fn in (
             ("torch.load", lambda: torch.load(paths["torch.pt"], weights_only=True)),
             ("fastpersist.load", lambda: fp.load(paths["fastpersist.pt"])),
@@ -326,6 +335,7 @@ def run_size(
             cold &= drop_caches()
             s, out = measure(fn)
             series[name].add(s, payload)
+            tick(name)
             del out
     if not cold:
         for n in ("torch.load", "fastpersist.load"):
@@ -395,10 +405,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-mib", type=int, default=None,
                     help="bytes of the device probe (default: the state's size, 1-4 GiB)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(args_in)
+    from fastpersist.cli._progress import wanted
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
+    sizes = [float(x) for x in args.sizes.split(",")]
+    runs = len(sizes) * args.rounds * 7  # timed runs: 4 saves and 3 loads per round
+    bar = Progress(runs, "bench", enabled=wanted(args.quiet), unit="run")
+
+    def log(msg: str) -> None:  # where the run is: a diagnostic, on stderr (results go to stdout)
+        print(msg, file=sys.stderr, flush=True)
 
     os.makedirs(args.dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="fastpersist-bench-", dir=args.dir)  # ours: the only thing we remove
@@ -408,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         log("state memory: warm (created in this process just before the runs); loads: page cache dropped before each")
         results = {}
         probe = args.probe_mib * MiB if args.probe_mib else None
-        for gib in [float(x) for x in args.sizes.split(",")]:
-            series, payload = run_size(gib, args.rounds, workdir, args.dcp_threads, log, args.settle, probe)
+        for gib in sizes:
+            series, payload = run_size(gib, args.rounds, workdir, args.dcp_threads, log, args.settle, probe, bar)
             print()
             print(table(gib, payload / GB, series), flush=True)
             print()
@@ -418,5 +434,6 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
     finally:
+        bar.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -1,25 +1,67 @@
-"""``fastpersist ls ROOT``, ``fastpersist convert CKPT_DIR OUT.pt``, ``fastpersist verify CKPT``."""
+"""``fastpersist ls ROOT``, ``fastpersist convert CKPT_DIR OUT.pt``, ``fastpersist verify CKPT``.
+
+Results go to stdout, diagnostics and errors to stderr (one line naming the path and the
+cause, never a traceback). Exit status: 0 success, 1 a problem found (verify found damage,
+convert met a damaged or incomplete checkpoint), 2 a usage error or a path that is missing,
+unreadable or of the wrong kind. ``--json`` output is described in docs/CLI.md.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import fastpersist
 from fastpersist import catalog, sharded
-from fastpersist.view import load_checkpoint
-from fastpersist.errors import CheckpointError
+from fastpersist.cli._progress import Progress, ProgressBackend, wanted
+from fastpersist.cli._units import rate, size
+from fastpersist.config import get_config
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError
+from fastpersist.format import manifest as mf
 from fastpersist.single_file import load, save
+from fastpersist.view import CheckpointInfo, list_checkpoints, load_object, load_state, tensor_infos
+
+OK, PROBLEM, USAGE = 0, 1, 2
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+class _PathError(Exception):
+    """A path given on the command line is missing or of the wrong kind (exit status 2)."""
+
+
+def _guarded(prog: str, run: Callable[[], int]) -> int:
+    """Run a command; its expected failures become one line on stderr and an exit status."""
+    try:
+        return run()
+    except BrokenPipeError:  # `fastpersist ls | head`: the reader left; stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not complain
+        return PROBLEM
+    except _PathError as e:
+        return _fail(prog, str(e), USAGE)
+    except CheckpointNotFoundError as e:  # also a FileNotFoundError: before OSError
+        return _fail(prog, str(e), USAGE)
+    except CheckpointError as e:
+        return _fail(prog, str(e), PROBLEM)
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(prog, f"{where}{e.strerror or e}", USAGE)
+
+
+def _fail(prog: str, message: str, status: int) -> int:
+    print(f"{prog}: {message}", file=sys.stderr)
+    return status
+
+
+def _need_dir(path: str) -> None:
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise _PathError(f"{path}: is a file, not a directory")
+    raise _PathError(f"{path}: no such directory")
 
 
 def _when(created: float) -> str:
@@ -29,24 +71,115 @@ def _when(created: float) -> str:
         return "?"
 
 
-def ls_main(argv: list[str]) -> int:
+# ---------------------------------------------------------------------------------------- ls
+
+
+def ls_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="fastpersist ls", description="list the checkpoints under a root")
     p.add_argument("root", help="the first root of a Checkpointer (holds the manifests and `latest`)")
+    p.add_argument("--json", action="store_true", help="print a JSON document (see docs/CLI.md)")
+    p.add_argument("--tensors", action="store_true", help="also list the tensors of the latest checkpoint")
     args = p.parse_args(argv)
-    infos = fastpersist.open(args.root).list()  # read-only: creates nothing, takes no lock
+    return _guarded(p.prog, lambda: _ls(args.root, args.json, args.tensors))
+
+
+def _state(i: CheckpointInfo) -> str:
+    if not i.committed:
+        return "incomplete"
+    return "latest" if i.latest else "abandoned" if i.abandoned else "committed"
+
+
+def _ls(root: str, as_json: bool, tensors: bool = False) -> int:
+    _need_dir(root)
+    infos = list_checkpoints(root)  # read-only: creates nothing, takes no lock
+    latest = next((i for i in infos if i.latest), None)
+    manifest = catalog.read_manifest(latest.path) if tensors and latest is not None else None
+    if as_json:
+        doc: dict[str, Any] = {"root": os.path.abspath(root), "checkpoints": [_info_json(i) for i in infos]}
+        if manifest is not None and latest is not None:
+            doc["latest"] = _inspect_json(latest.path, manifest)
+        print(json.dumps(doc, indent=2))
+        return OK
     if not infos:
-        print(f"no checkpoints in {args.root}")
-        return 0
+        print(f"no checkpoints in {root}")
+        return OK
     print(f"{'step':>10}  {'state':<10} {'size':>10}  {'files':>5}  {'ranks':>5}  created")
     for i in infos:
-        state = ("latest" if i.latest else "abandoned" if i.abandoned else "committed") if i.committed else "incomplete"
-        created = _when(i.created)
-        print(f"{i.step:>10}  {state:<10} {_size(i.nbytes) if i.committed else '-':>10}  "
-              f"{i.files if i.committed else '-':>5}  {i.world_size if i.committed else '-':>5}  {created}")
-    return 0
+        c = i.committed
+        print(f"{i.step:>10}  {_state(i):<10} {size(i.nbytes) if c else '-':>10}  "
+              f"{i.files if c else '-':>5}  {i.world_size if c else '-':>5}  {_when(i.created)}")
+    if manifest is not None:
+        print(f"\ntensors of step {manifest.step} (latest):")
+        _print_tensors(_inspect_json("", manifest)["tensors"], manifest.version)
+    return OK
 
 
-def convert_main(argv: list[str]) -> int:
+def _info_json(i: CheckpointInfo) -> dict[str, Any]:
+    c = i.committed
+    return {"step": i.step, "path": i.path, "state": _state(i), "committed": c, "latest": i.latest,
+            "abandoned": i.abandoned, "sequence": i.sequence if c else None,
+            "created": i.created if c and i.created else None, "bytes": i.nbytes if c else None,
+            "files": i.files if c else None, "world_size": i.world_size if c else None,
+            "objects": list(i.objects)}
+
+
+# ----------------------------------------------------------------------------------- inspect
+
+
+def inspect_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="fastpersist inspect",
+                                description="describe a checkpoint and list its tensors (key, dtype, shape, bytes)")
+    p.add_argument("checkpoint", help="a checkpoint directory (ROOT/step-N) or a root (its latest checkpoint)")
+    p.add_argument("--json", action="store_true", help="print a JSON document (see docs/CLI.md)")
+    args = p.parse_args(argv)
+    return _guarded(p.prog, lambda: _inspect(args.checkpoint, args.json))
+
+
+def _inspect(checkpoint: str, as_json: bool) -> int:
+    _need_dir(checkpoint)
+    first = _first_dir(checkpoint)  # the manifest is in the first root: the others are not read
+    manifest = catalog.read_manifest(first)
+    doc = _inspect_json(first, manifest)
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return OK
+    print(f"step {manifest.step} at {first}: format version {manifest.version}, saved by {manifest.world_size} "
+          f"rank(s) over {manifest.roots} root(s), {size(manifest.nbytes)} in {len(manifest.files)} files")
+    for i, r in enumerate(manifest.root_paths):
+        print(f"  root #{i}: {r}")
+    _print_tensors(doc["tensors"], manifest.version)
+    return OK
+
+
+def _inspect_json(path: str, manifest: mf.Manifest) -> dict[str, Any]:
+    return {"path": path, "step": manifest.step, "format_version": manifest.version,
+            "world_size": manifest.world_size, "roots": manifest.roots, "root_paths": list(manifest.root_paths),
+            "bytes": manifest.nbytes, "files": len(manifest.files), "objects": sorted(manifest.objects),
+            "metadata": manifest.user,
+            "tensors": [{"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                         "sharded": t.sharded, "chunks": t.chunks, "object": t.object}
+                        for t in tensor_infos(manifest)]}
+
+
+def _print_tensors(tensors: list[dict[str, Any]], version: int) -> None:
+    if version < 3:
+        print(f"  (format version {version}: written before tensors were indexed by key)")
+        return
+    if not tensors:
+        print("  no tensors")
+        return
+    width = max(len(t["key"]) for t in tensors)
+    print(f"  {'key':<{width}}  {'dtype':<9} {'shape':<20} {'size':>10}  layout")
+    for t in tensors:
+        layout = f"sharded, {t['chunks']} chunks" if t["sharded"] else \
+            ("replicated" if t["object"] == mf.REPLICATED else t["object"])
+        print(f"  {t['key']:<{width}}  {t['dtype']:<9} {str(t['shape']):<20} {size(t['bytes']):>10}  {layout}")
+
+
+# ----------------------------------------------------------------------------------- convert
+
+
+def convert_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="fastpersist convert",
                                 description="write a sharded checkpoint as one torch.load-compatible file")
     p.add_argument("checkpoint", help="the checkpoint's directory in its first root, e.g. ROOT/step-00000100")
@@ -54,61 +187,177 @@ def convert_main(argv: list[str]) -> int:
     p.add_argument("--root", action="append", default=[], help="another root of the checkpoint, in order")
     p.add_argument("--rank", type=int, default=None, help="convert this rank's own state instead")
     p.add_argument("--trust", action="store_true", help="load the skeleton with the full unpickler")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    return _guarded(p.prog, lambda: _convert(args))
+
+
+def _first_dir(checkpoint: str) -> str:
+    """A step directory as it is; a root: its latest commit's directory."""
+    first = os.path.abspath(checkpoint)
+    is_step = catalog.parse_step_dir(os.path.basename(first.rstrip(os.sep))) is not None
+    if is_step or os.path.exists(os.path.join(first, mf.MANIFEST_NAME)):
+        return first
+    step = catalog.read_latest(first)
+    if step is None:
+        raise _PathError(f"{checkpoint}: neither a checkpoint directory (no {mf.MANIFEST_NAME}) nor a root "
+                         "holding a committed checkpoint")
+    return os.path.join(first, catalog.step_dir(step))
+
+
+def _dirs(checkpoint: str, roots: Sequence[str]) -> list[str]:
+    """The checkpoint's directory in each of its roots.
+
+    ``checkpoint`` is a step directory (``ROOT/step-00000100``) or a root (meaning its latest
+    commit). The other roots are ``roots`` (given with --root, in order) or, when none are given,
+    the paths the manifest recorded at save time (format version 3); a recorded root that is not
+    there any more is named, with the --root to pass.
+    """
+    first = _first_dir(checkpoint)
+    name = os.path.basename(first.rstrip(os.sep))
+    if roots:
+        return [first] + [os.path.join(os.path.abspath(r), name) for r in roots]
     try:
-        obj = load_checkpoint(args.checkpoint, args.root, rank=args.rank, map_location="cpu",
-                              weights_only=not args.trust)
-        save(obj, args.out)
-    except CheckpointError as e:
-        print(f"fastpersist convert: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.out}")
-    return 0
+        manifest = catalog.read_manifest(first)
+    except CheckpointError:
+        return [first]  # the manifest's own problem is reported by the command
+    if manifest.roots <= 1:
+        return [first]
+    if not manifest.root_paths:
+        raise _PathError(f"{first}: the checkpoint is spread over {manifest.roots} roots and its manifest (format "
+                         f"version {manifest.version}) does not record where; pass the other "
+                         f"{manifest.roots - 1} with --root, in order")
+    dirs = [first]
+    for i, r in enumerate(manifest.root_paths[1:], start=1):
+        d = os.path.join(r, name)
+        if not os.path.isdir(d):
+            raise _PathError(f"{first}: the checkpoint's root #{i} was {r} when it was saved and {d} is not there; "
+                             f"pass every other root with --root, in order ({manifest.roots - 1} in all)")
+        dirs.append(d)
+    return dirs
 
 
-def verify_main(argv: list[str]) -> int:
+def _object_bytes(obj: mf.ObjectEntry) -> int:
+    return sum(e.nbytes for s in obj.storages for e in s.extents)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    _need_dir(args.checkpoint)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise _PathError(f"{args.out}: cannot write here: {out_dir} is not a directory")
+    if os.path.isdir(args.out):
+        raise _PathError(f"{args.out}: is a directory; name the file to write")
+    dirs = _dirs(args.checkpoint, args.root)
+    manifest = catalog.read_manifest(dirs[0])
+    name = mf.REPLICATED if args.rank is None else mf.rank_object(args.rank)
+    entry = manifest.objects.get(name)
+    if entry is None:
+        raise _PathError(f"{dirs[0]}: step {manifest.step} holds no object {name!r} "
+                         f"(it holds {', '.join(sorted(manifest.objects))})")
+    total = _object_bytes(entry) + (sum(t.nbytes for t in manifest.sharded) if args.rank is None else 0)
+    show = wanted(args.quiet)
+    with Progress(total, "read", enabled=show) as bar:
+        if args.rank is None:  # the state, its sharded tensors whole
+            obj = load_state(dirs, manifest, None, "cpu", not args.trust, None, get_config(), ProgressBackend(bar))
+        else:
+            obj = load_object(dirs, manifest, name, None, "cpu", not args.trust, None, get_config(),
+                              ProgressBackend(bar))
+    with Progress(total, "write", enabled=show) as bar:
+        save(obj, args.out, backend=ProgressBackend(bar))
+    print(f"wrote {args.out} ({size(os.path.getsize(args.out))}) from step {manifest.step}")
+    return OK
+
+
+# ------------------------------------------------------------------------------------ verify
+
+
+def verify_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="fastpersist verify",
                                 description="read a checkpoint completely and check every checksum")
     p.add_argument("checkpoint", help="a checkpoint directory (ROOT/step-N) or a single file from fastpersist.save")
     p.add_argument("--root", action="append", default=[], help="another root of the checkpoint, in order")
+    p.add_argument("--json", action="store_true", help="print a JSON document (see docs/CLI.md)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    try:
-        if not os.path.isdir(args.checkpoint):
-            return _verify_file(args.checkpoint)
-        return _verify_directory(args.checkpoint, args.root)
-    except Exception as e:  # noqa: BLE001 - verify reports, it never ends in a traceback
-        print(f"FAILED {args.checkpoint}: unexpected {type(e).__name__}: {e} (please report this as a bug)")
-        return 1
+    return _guarded(p.prog, lambda: _verify(args))
 
 
-def _verify_file(path: str) -> int:
+def _verify(args: argparse.Namespace) -> int:
+    path = args.checkpoint
+    if not os.path.exists(path):
+        raise _PathError(f"{path}: no such file or directory")
+    for r in args.root:
+        _need_dir(r)
+    show = wanted(args.quiet)
+    if os.path.isdir(path):
+        result = _verify_directory(path, args.root, show)
+    else:
+        if args.root:
+            raise _PathError(f"{path}: is a single file; --root applies to a checkpoint directory only")
+        result = _verify_file(path, show)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_verdict(result)
+    return OK if result["ok"] else PROBLEM
+
+
+def _result(path: str, kind: str, step: int | None, checked: int, problems: list[sharded.Problem],
+            seconds: float) -> dict[str, Any]:
+    return {"path": os.path.abspath(path), "kind": kind, "step": step, "ok": not problems,
+            "bytes_verified": checked, "seconds": round(seconds, 3),
+            "problems": [{"path": p.path, "what": p.what, "offset": p.offset, "message": p.message}
+                         for p in problems]}
+
+
+def _verify_file(path: str, show: bool) -> dict[str, Any]:
     """A single file: verified by the load path itself (checksums, structure, skeleton)."""
-    try:
-        load(path, map_location="cpu", verify=True)
-    except CheckpointError as e:
-        print(f"FAILED {e}")
-        return 1
-    print(f"OK {path}: every record matches its checksum")
-    return 0
+    import time
+
+    if not os.access(path, os.R_OK):
+        raise _PathError(f"{path}: permission denied")
+    nbytes = os.path.getsize(path)
+    start = time.perf_counter()
+    problems: list[sharded.Problem] = []
+    with Progress(nbytes, "verify", enabled=show) as bar:
+        try:
+            load(path, map_location="cpu", verify=True, progress=bar)
+        except CheckpointNotFoundError:
+            raise
+        except CheckpointError as e:
+            message = str(e)
+            message = message[len(path):].lstrip(": ") if message.startswith(path) else message
+            problems.append(sharded.Problem(path, "file", None, message))
+    return _result(path, "file", None, 0 if problems else nbytes, problems, time.perf_counter() - start)
 
 
-def _verify_directory(checkpoint: str, roots: list[str]) -> int:
+def _verify_directory(checkpoint: str, roots: list[str], show: bool) -> dict[str, Any]:
     """A sharded checkpoint: every check load runs, on every object, every problem reported."""
-    first = os.path.abspath(checkpoint)
-    name = os.path.basename(first.rstrip(os.sep))
-    dirs = [first] + [os.path.join(os.path.abspath(r), name) for r in roots]
+    import time
+
+    dirs = _dirs(checkpoint, roots)
+    start = time.perf_counter()
     try:
-        manifest = catalog.read_manifest(first)
-    except CheckpointError as e:
-        print(f"FAILED {e}")
-        return 1
-    problems, checked = sharded.verify(dirs, manifest)
-    for problem in problems:
-        print(f"FAILED {problem}")
-    if problems:
-        print(f"{len(problems)} problem(s) in step {manifest.step} ({first})")
-        return 1
-    storages = sum(len(o.storages) for o in manifest.objects.values())
-    print(f"OK step {manifest.step}: {len(manifest.objects)} objects, {storages} storages, "
-          f"{len(manifest.files)} files, {checked} bytes verified")
-    return 0
+        manifest = catalog.read_manifest(dirs[0])
+    except CheckpointNotFoundError:
+        raise
+    except CheckpointError as e:  # a manifest that is there but damaged: a problem found
+        return _result(checkpoint, "directory", None, 0,
+                       [sharded.Problem(os.path.join(dirs[0], "manifest.json"), "manifest", None, str(e))],
+                       time.perf_counter() - start)
+    total = sum(_object_bytes(o) for o in manifest.objects.values()) + sum(t.nbytes for t in manifest.sharded)
+    with Progress(total, "verify", enabled=show) as bar:
+        problems, checked = sharded.verify(dirs, manifest, progress=bar)
+    return _result(checkpoint, "directory", manifest.step, checked, problems, time.perf_counter() - start)
+
+
+def _print_verdict(r: dict[str, Any]) -> None:
+    for p in r["problems"]:
+        print(f"FAILED {sharded.Problem(p['path'], p['what'], p['offset'], p['message'])}")
+    what = f"step {r['step']}" if r["step"] is not None else r["path"]
+    if r["problems"]:
+        print(f"{len(r['problems'])} problem(s) in {what} ({r['path']})")
+        return
+    print(f"OK {what}: {size(r['bytes_verified'])} verified in {r['seconds']:.2f} s "
+          f"({rate(r['bytes_verified'], r['seconds'])}), every checksum matches")

@@ -225,7 +225,7 @@ class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
             try:
                 self._named.publish(item.staged)
             except BaseException as e:  # noqa: BLE001 - raised by the next save or teardown
-                logger.error("fastpersist: Lightning checkpoint %s failed: %s", item.path, e)
+                logger.error("Lightning checkpoint %s failed: %s", item.path, e)
                 with self._lock:
                     self._errors.append(e)
             with self._lock:

@@ -177,7 +177,7 @@ class FastPersistTrainer(Trainer):
         if "optimizer" not in state:
             return state, None
         rank = self.args.process_index
-        logger.info("fastpersist: rank %d resumes from %s", rank, step_dir)
+        logger.info("rank %d resumes from %s", rank, step_dir)
         return state, load_checkpoint(step_dir, others, rank=rank, map_location="cpu")
 
     def _loaded(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -218,7 +218,7 @@ class FastPersistTrainer(Trainer):
             return super()._load_rng_state(checkpoint)
         own = self._loaded()[1]
         if own is None:
-            logger.info("fastpersist: the checkpoint holds no RNG state (save_only_model); reproducibility is not "
+            logger.info("the checkpoint holds no RNG state (save_only_model); reproducibility is not "
                         "guaranteed")
             return None
         RNGState().load_state_dict(own["rng"])

@@ -94,7 +94,7 @@ class _RegisteredMemory(mmap.mmap):
         try:
             err = int(_cudart().cudaHostUnregister(addr))
             if err:
-                logger.warning("fastpersist: cudaHostUnregister of staging memory at %#x failed (%d)", addr, err)
+                logger.warning("cudaHostUnregister of staging memory at %#x failed (%d)", addr, err)
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown (module state gone): the process is ending
             pass
 
@@ -123,7 +123,7 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
         how = "torch's pinned allocator is used instead (it rounds sizes up to a power of two)"
     except RuntimeError as e:
         fallback, how = tensor, f"staging memory stays pageable and device-to-host copies are slower ({e})"
-    _warn_once(f"fastpersist: cudaHostRegister of {size} bytes failed (cudaError {err}): {how}")
+    _warn_once(f"cudaHostRegister of {size} bytes failed (cudaError {err}): {how}")
     return fallback[:nbytes]
 
 
@@ -140,7 +140,7 @@ def _register(addr: int, size: int) -> int:
         try:
             out.append(int(_cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE)))
         except Exception as e:  # noqa: BLE001 - reported as a failed registration
-            logger.debug("fastpersist: cudaHostRegister raised %s", e)
+            logger.debug("cudaHostRegister raised %s", e)
 
     t = threading.Thread(target=run, name="fastpersist-register")
     t.start()

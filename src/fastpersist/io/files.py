@@ -41,7 +41,7 @@ def _log_fallback_once(path: str, reason: str) -> None:
             return
         _warned.add(dev)
     logger.warning(
-        "fastpersist: O_DIRECT is not available for %s (%s); using buffered I/O on this filesystem",
+        "O_DIRECT is not available for %s (%s); using buffered I/O on this filesystem",
         path,
         reason,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -132,8 +132,13 @@ def _populate_ahead(requests: Sequence[ReadRequest], step: int, stop: threading.
     return threads
 
 
-def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfig) -> None:
-    """Read every request, in parallel; raises on the first failure."""
+def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfig,
+              progress: Callable[[int], None] | None = None) -> None:
+    """Read every request, in parallel; raises on the first failure.
+
+    ``progress``, if given, is called with the byte count of each completed read (from the
+    reader threads, so it must be thread-safe); the counts add up to the bytes requested.
+    """
     jobs = _jobs(requests, file, config.read_chunk_bytes)
     if not jobs:
         return
@@ -142,10 +147,10 @@ def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfi
     try:
         if len(jobs) == 1 or config.reader_threads == 1:
             for j in jobs:
-                _guarded(file, j)
+                _guarded(file, j, progress)
             return
         with ThreadPoolExecutor(max_workers=config.reader_threads, thread_name_prefix="fastpersist-reader") as ex:
-            futures = [ex.submit(_guarded, file, j) for j in jobs]
+            futures = [ex.submit(_guarded, file, j, progress) for j in jobs]
             try:
                 for f in futures:
                     f.result()
@@ -159,9 +164,11 @@ def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfi
             t.join()
 
 
-def _guarded(file: DirectFile, job: _Job) -> None:
+def _guarded(file: DirectFile, job: _Job, progress: Callable[[int], None] | None = None) -> None:
     try:
         _run(file, job)
+        if progress is not None:
+            progress(job.nbytes)
     except CheckpointReadError:
         raise
     except OSError as e:

@@ -1,0 +1,34 @@
+"""scripts/setup.sh: a project-local .venv, set up once, then skipped while current."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+STAMP = os.path.join(REPO, ".venv", ".fastpersist-setup")
+
+
+def test_scripts_use_the_project_environment():
+    """The commands must not install into, or run from, the user's own Python environment."""
+    for name in ("test.sh", "demo.sh", "bench.sh"):
+        text = open(os.path.join(REPO, "scripts", name)).read()
+        assert "bash scripts/setup.sh" in text and ".venv/bin/python" in text, name
+        assert "python3 -m" not in text, name
+    setup = open(os.path.join(REPO, "scripts", "setup.sh")).read()
+    assert "-m venv" in setup and "--system-site-packages" not in setup
+    assert "torch==2.13.0" in setup and "-c \"$CONSTRAINT\"" in setup
+    assert ".venv/" in open(os.path.join(REPO, ".gitignore")).read().split()
+
+
+@pytest.mark.skipif(not os.path.exists(STAMP), reason="no .venv set up by scripts/setup.sh here")
+def test_second_setup_run_is_quick_and_changes_nothing():
+    before = os.stat(STAMP).st_mtime_ns
+    start = time.perf_counter()
+    subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh")], check=True, timeout=600,
+                   env={k: v for k, v in os.environ.items() if k != "FASTPERSIST_SETUP_FORCE"})
+    assert time.perf_counter() - start < 10, "setup reinstalled although .venv was complete"
+    assert os.stat(STAMP).st_mtime_ns == before

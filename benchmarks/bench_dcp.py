@@ -5,8 +5,9 @@ in all. Contenders run alternately in the same process group, round after round:
 
 - ``fastpersist.dcp``: ``dcp.save`` with ``fastpersist.dcp.Writer`` (and ``dcp.async_save``);
 - ``FileSystemWriter tN``: ``dcp.save`` with DCP's writer at thread_count N (and async_save);
-- ``Checkpointer``: each rank's local shards as its ``rank_state`` (the Checkpointer carries no
-  DTensors yet), sync mode.
+- ``Checkpointer``: ``Checkpointer.save(step, state)`` with the DTensors in ``state`` (each rank
+  writes its own shards over both roots), in sync mode and in snapshot mode (save() returns once
+  the shards are copied; the write runs in the background); loaded with ``load(into=...)``.
 
 Reported per contender: durable save GB/s (all ranks' bytes over the wall time of the call,
 barrier included), time the training thread is blocked (the call for sync saves; until
@@ -121,27 +122,28 @@ def _worker(rank: int, world: int, init: str, args: dict[str, Any], out: Any) ->
     contenders[f"FileSystemWriter t{args['threads'][-1]} async"] = (
         lambda: dcp.async_save(sd, storage_writer=fs_writer(args["threads"][-1]), process_group=group),
         lambda t: FileSystemReader(roots[0]))
-    local = {k: v.to_local() for k, v in sd.items()}
-    ck = fp.Checkpointer([os.path.join(base, "root0", "cp"), os.path.join(base, "root1", "cp")], mode="sync")
-
-    def cp_save() -> None:
-        ck.save(0, {"world": world}, rank_state=local)
+    cp_roots = {m: [os.path.join(base, "root0", m), os.path.join(base, "root1", m)] for m in ("sync", "snapshot")}
+    checkpointers = {"Checkpointer": fp.Checkpointer(cp_roots["sync"], mode="sync", keep=1),
+                     "Checkpointer snapshot": fp.Checkpointer(cp_roots["snapshot"], mode="snapshot", keep=1)}
 
     results: dict[str, dict[str, list[float]]] = {}
-    names = list(contenders) + ["Checkpointer (rank_state)"]
+    names = list(contenders) + list(checkpointers)
     for r in range(args["rounds"]):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             res = results.setdefault(name, {"save": [], "blocked": [], "cpu": [], "load": [], "reshard": []})
             if rank == 0:
-                _clear(roots + [os.path.join(base, "root0", "cp"), os.path.join(base, "root1", "cp")])
+                _clear(roots)
             dist.barrier()
-            if name.startswith("Checkpointer"):
-                wall, blocked, cpu = _timed(cp_save)
+            if name in checkpointers:
+                ck = checkpointers[name]
+                wall, blocked, cpu = _timed(lambda: ck.save(r, sd))
                 if rank == 0:
                     _drop_caches()
-                lwall = _timed(lambda: ck.load_rank_state(0))[0]
-                rwall = float("nan")
+                lwall = _timed(lambda: ck.load(r, into=same))[0]
+                if rank == 0:
+                    _drop_caches()
+                rwall = _timed(lambda: ck.load(r, into=resharded))[0]
             else:
                 save, reader = contenders[name]
                 wall, blocked, cpu = _timed(save)
@@ -158,7 +160,8 @@ def _worker(rank: int, world: int, init: str, args: dict[str, Any], out: Any) ->
             res["cpu"].append(sum(cpus))
             res["load"].append(lwall)
             res["reshard"].append(rwall)
-    ck.close()
+    for ck in checkpointers.values():
+        ck.close()
     if rank == 0:
         out.put((results, _nbytes(sd)))
     dist.destroy_process_group()
@@ -202,9 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     fpd = statistics.median(results["fastpersist.dcp"]["save"])
     print(f"\nfastpersist.dcp save vs FileSystemWriter t{args['threads'][0]}: {fs1 / fpd:.2f}x; vs its best thread "
           f"count: {best / fpd:.2f}x")
-    r = results["fastpersist.dcp"]
-    print(f"fastpersist.dcp reshard-load / same-layout load: "
-          f"{statistics.median(r['load']) / statistics.median(r['reshard']):.2f}")
+    cp = statistics.median(results["Checkpointer"]["save"])
+    print(f"Checkpointer save vs FileSystemWriter t{args['threads'][0]}: {fs1 / cp:.2f}x; vs its best thread "
+          f"count: {best / cp:.2f}x")
+    for name in ("fastpersist.dcp", "Checkpointer"):
+        r = results[name]
+        print(f"{name} reshard-load / same-layout load: "
+              f"{statistics.median(r['load']) / statistics.median(r['reshard']):.2f}")
     return 0
 
 

@@ -294,3 +294,47 @@ def test_another_global_shape_loads_nothing(copy_of):
         fastpersist.open(roots).load(7, into={"model": m})
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+# ---- overlap mode (technique 3): shards written from live memory while the next iteration runs
+
+
+def _save_overlap(rank: int, world: int, roots: list[str]) -> dict:
+    m, opt = _trained(world)
+    ckpt = Checkpointer(roots, mode="overlap")
+    ckpt.protect(opt)
+    saved = _full({"model": m.state_dict(), "optim": opt.state_dict()})
+    handle = ckpt.save(1, {"model": m, "optim": opt})
+    for _ in range(3):  # the next iterations; their optimizer steps wait for the shards to be written
+        m(torch.randn(8, D_IN)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    handle.result()
+    ckpt.close()
+    return {"saved": saved, "copied": handle.metrics.bytes_copied}
+
+
+def test_overlap_mode_saves_the_state_at_save_time(tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    out = run_ranks(tmp_path, 2, _save_overlap, roots)
+    state = fastpersist.open(roots).load(1)
+    _same(_full(state), out[0]["saved"])
+    # the parameters' and optimizer moments' shards were not copied: written from live memory
+    params = sum(v.nbytes for k, v in out[0]["saved"].items() if k.startswith("model.")) // 2
+    assert out[0]["copied"] < params
+
+
+def _load_fresh(rank: int, world: int, roots: list[str]) -> dict:
+    """A fresh optimizer has no state to fill: torch's get_optimizer_state_dict creates it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    m, opt = _fsdp(world)
+    get_optimizer_state_dict(m, opt)
+    assert opt.state, "the optimizer should have state now"
+    fastpersist.open(roots).load(7, into={"model": m, "optim": opt})
+    return _full({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
+
+
+def test_load_into_a_fresh_optimizer(fsdp_saved):
+    tmp, roots, full = fsdp_saved
+    _same(run_ranks(tmp, 2, _load_fresh, roots)[0], full)

@@ -1,8 +1,11 @@
 """``fastpersist demo``: per-iteration checkpointing of a small GPT and a small mixture of experts.
 
-Part 1 trains each model on synthetic data on the CPU and prints the mean iteration time with no
-checkpoint, with ``torch.save`` (+fsync) every iteration, and with fastpersist in each mode
-(checkpoint every iteration), with the overhead and the time training was blocked per save.
+Part 1 trains each model on synthetic data on the CPU with no checkpoint, with ``torch.save``
+(+fsync) every iteration, and with fastpersist in each mode (a checkpoint every iteration). The
+contenders take turns in short blocks, many rounds, so that the machine's noise falls on all of
+them; it prints each one's median iteration time with its spread, the overhead against no
+checkpoint with a confidence interval ("within noise" when the interval holds 0), and the time
+training was blocked per save, and draws the same as a picture (``--plot``, needs matplotlib).
 
 Part 2 runs the training in a subprocess, kills it with SIGKILL while a checkpoint is being
 written, resumes from the latest committed checkpoint and compares the losses with an
@@ -14,7 +17,10 @@ uninterrupted run: they continue exactly.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -22,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -111,11 +119,31 @@ class SyntheticData:
 BATCH = 16  # sized so that one checkpoint write takes well under half an iteration's compute
 
 
-def build(kind: str, seed: int = 0) -> tuple[TinyGPT, torch.optim.Optimizer, SyntheticData]:
+@dataclass(frozen=True)
+class Size:
+    """A model's shape and its batch."""
+
+    vocab: int = 2048
+    d: int = 192
+    layers: int = 4
+    heads: int = 4
+    seq: int = 128
+    batch: int = BATCH
+
+
+SIZES = {
+    # part 1: the same model as part 2, half its batch, so that 10 rounds fit in a few minutes on
+    # 2 cores (an iteration is matrix products only: about 32 GFLOP at batch 16)
+    "small": Size(batch=8),
+    "tiny": Size(vocab=128, d=32, layers=1, heads=2, seq=16, batch=2),  # tests
+}
+
+
+def build(kind: str, seed: int = 0, size: Size = Size()) -> tuple[TinyGPT, torch.optim.Optimizer, SyntheticData]:
     torch.manual_seed(seed)
-    model = TinyGPT(experts=4 if kind == "moe" else 0)
+    model = TinyGPT(size.vocab, size.d, size.layers, size.heads, size.seq, experts=4 if kind == "moe" else 0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, opt, SyntheticData(2048, BATCH, 128)
+    return model, opt, SyntheticData(size.vocab, size.batch, size.seq)
 
 
 def train_step(model: TinyGPT, opt: torch.optim.Optimizer, data: SyntheticData) -> float:
@@ -146,6 +174,19 @@ class SlowBackend(FileBackend):
 
 
 # ------------------------------------------------------------------------------- part 1
+#
+# Every contender trains its own copy of the model. They take turns in short blocks, round after
+# round, the order rotated every round, so that a slow minute of this shared machine falls on all
+# of them alike; the first round is a warm-up and is dropped. The overhead is paired by round: the
+# contender's median iteration in a round over "no checkpoint"'s median in the same round.
+
+CONTENDERS = ("none", "torch.save", "sync", "snapshot", "overlap")
+DEFAULT_PLOT = "fastpersist-demo.png"
+SETTLE = 1  # unmeasured iterations at the start of every block (the previous contender's caches)
+
+
+def label(mode: str) -> str:
+    return {"none": "no checkpoint", "torch.save": "torch.save + fsync"}.get(mode, f"fastpersist {mode}")
 
 
 def _fsync_save(obj: Any, path: str) -> None:
@@ -157,69 +198,274 @@ def _fsync_save(obj: Any, path: str) -> None:
         os.close(fd)
 
 
-def _run_mode(kind: str, mode: str, iters: int, warmup: int, workdir: str) -> dict[str, float]:
-    model, opt, data = build(kind)
-    ck = None
-    if mode not in ("none", "torch.save"):
-        ck = Checkpointer(os.path.join(workdir, f"{kind}-{mode}"), mode=mode, keep=2)
-        if mode == "overlap":
-            ck.protect(opt)
-    times, blocked = [], []
-    for it in range(warmup + iters):
-        t0 = time.perf_counter()
-        train_step(model, opt, data)
-        t1 = time.perf_counter()
-        state = {"model": model, "optim": opt, "data": data, "step": it}
-        if mode == "torch.save":
-            _fsync_save({"model": model.state_dict(), "optim": opt.state_dict(), "step": it},
-                        os.path.join(workdir, f"{kind}-torch.pt"))
-        elif ck is not None:
-            ck.save(it, state, rank_state={"rng": RNGState()})
-        t2 = time.perf_counter()
-        if it >= warmup:
-            times.append(t2 - t0)
-            if mode != "none":
-                blocked.append(t2 - t1)
-    out = {"iter": statistics.mean(times), "iter_sd": statistics.pstdev(times)}
-    if ck is not None:
-        ck.close()
-        hist = [m for m in ck.history if m.step >= warmup and not m.skipped]
-        out["blocked_ms"] = statistics.median(m.blocked_s for m in hist) * 1e3
-        out["copied_mb"] = statistics.median(m.bytes_copied for m in hist) / 1e6
-        out["write_ms"] = statistics.median(m.write_s for m in hist) * 1e3
-        out["arena_mb"] = ck.snapshot_memory / 1e6
-    elif blocked:
-        out["blocked_ms"] = statistics.median(blocked) * 1e3
-    return out
+@dataclass
+class Samples:
+    """What one contender measured over the measured rounds."""
+
+    mode: str
+    rounds: list[list[float]] = field(default_factory=list)  # per round, its iteration times (s)
+    blocked: list[float] = field(default_factory=list)  # per save, the time training was blocked (s)
+    copied: list[int] = field(default_factory=list)  # per save, bytes copied at save time
+    write: list[float] = field(default_factory=list)  # per save, the background write (s)
+    arena: int = 0  # snapshot memory (bytes)
+
+    @property
+    def times(self) -> list[float]:
+        return [t for r in self.rounds for t in r]
 
 
-def part_overhead(args: argparse.Namespace, workdir: str) -> None:
-    modes = ["none", "torch.save", "sync", "snapshot", "overlap"]
-    for kind in ("gpt", "moe"):
-        model, opt, data = build(kind)
-        train_step(model, opt, data)
-        nparams = sum(p.numel() for p in model.parameters())
-        print(f"\n## {kind}: {nparams / 1e6:.1f} M parameters, checkpoint {state_bytes(model, opt) / 1e6:.0f} MB "
-              f"(weights + AdamW moments), batch {BATCH} x 128 tokens, training threads: {torch.get_num_threads()}", flush=True)
-        results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
-        for r in range(args.rounds):  # modes alternate, so a noisy moment does not hit one mode
-            for mode in modes if r % 2 == 0 else list(reversed(modes)):
-                print(f"  round {r + 1}/{args.rounds}: {mode} ...", end="\r", flush=True)
-                results[mode].append(_run_mode(kind, mode, args.iters, args.warmup, workdir))
-        base = statistics.median(x["iter"] for x in results["none"])
-        print("\n| checkpoint every iteration | mean iteration (ms) | overhead | blocked per save (ms) | "
-              "copied at save (MB) | snapshot memory (MB) | background write (ms) |")
-        print("|---|---|---|---|---|---|---|")
-        for mode in modes:
-            rs = results[mode]
-            it = statistics.median(x["iter"] for x in rs)
-            label = {"none": "no checkpoint", "torch.save": "torch.save + fsync"}.get(mode, f"fastpersist {mode}")
+@dataclass
+class KindResult:
+    kind: str
+    params: int
+    state_bytes: int
+    size: Size
+    samples: dict[str, Samples]
 
-            def col(key: str, rs: list[dict[str, float]] = rs) -> str:
-                return f"{statistics.median(x[key] for x in rs):.1f}" if key in rs[0] else "-"
 
-            print(f"| {label} | {it * 1e3:.1f} | {'-' if mode == 'none' else f'{(it / base - 1) * 100:+.1f}%'} | "
-                  f"{col('blocked_ms')} | {col('copied_mb')} | {col('arena_mb')} | {col('write_ms')} |", flush=True)
+class _Contender:
+    """One contender's training run: its model, optimizer, data and checkpointer, run in blocks."""
+
+    def __init__(self, kind: str, mode: str, size: Size, workdir: str) -> None:
+        self.mode = mode
+        self.model, self.opt, self.data = build(kind, size=size)
+        self.path = os.path.join(workdir, f"{kind}-{mode}")
+        self.rng = RNGState()
+        self.step = 0
+        self.ck: Checkpointer | None = None
+        if mode not in ("none", "torch.save"):
+            self.ck = Checkpointer(self.path, mode=mode, keep=2)
+            if mode == "overlap":
+                self.ck.protect(self.opt)
+
+    def _save(self) -> None:
+        if self.mode == "torch.save":
+            _fsync_save({"model": self.model.state_dict(), "optim": self.opt.state_dict(),
+                         "data": self.data.state_dict(), "step": self.step}, self.path + ".pt")
+        elif self.ck is not None:
+            self.ck.save(self.step, {"model": self.model, "optim": self.opt, "data": self.data, "step": self.step},
+                         rank_state={"rng": self.rng})
+
+    def block(self, measured: int, into: Samples | None) -> None:
+        """Train ``SETTLE + measured`` iterations, each followed by its checkpoint; add the measured
+        iterations' times and their saves' blocked times to ``into`` (None: a warm-up block).
+
+        Waits for the writes at the end (untimed), so that none spills into the next contender's
+        block. The block's last save is left out of the blocked times: in overlap mode a save
+        blocks the next iteration's optimizer step, and that step is not in this block.
+        """
+        times, call_s, steps = [], [], []
+        for i in range(SETTLE + measured):
+            t0 = time.perf_counter()
+            train_step(self.model, self.opt, self.data)
+            t1 = time.perf_counter()
+            self._save()
+            t2 = time.perf_counter()
+            if i >= SETTLE:
+                times.append(t2 - t0)
+                call_s.append(t2 - t1)
+                steps.append(self.step)
+            self.step += 1
+        if self.ck is not None:
+            self.ck.wait()
+        if into is None:
+            return
+        into.rounds.append(times)
+        if self.mode == "torch.save":
+            into.blocked += call_s[:-1]
+        elif self.ck is not None:
+            metrics = {m.step: m for m in self.ck.history}
+            saves = [metrics[s] for s in steps[:-1]]
+            into.blocked += [m.blocked_s for m in saves]
+            into.copied += [m.bytes_copied for m in saves]
+            into.write += [m.write_s for m in saves]
+            into.arena = max(into.arena, self.ck.snapshot_memory)
+
+    def close(self) -> None:
+        if self.ck is not None:
+            self.ck.close()
+
+
+def rotated(items: Sequence[str], r: int) -> list[str]:
+    """``items`` starting at position ``r`` (mod len): round ``r``'s order."""
+    k = r % len(items)
+    return [*items[k:], *items[:k]]
+
+
+def measure(kind: str, size: Size, *, rounds: int, warmup: int, block: int, workdir: str,
+            advance: Callable[[str], None] = lambda desc: None) -> KindResult:
+    """Part 1 for one model: every contender, ``warmup + rounds`` rounds of one block each."""
+    contenders: dict[str, _Contender] = {}
+    try:
+        for mode in CONTENDERS:
+            contenders[mode] = _Contender(kind, mode, size, workdir)
+        samples = {mode: Samples(mode) for mode in CONTENDERS}
+        for r in range(warmup + rounds):
+            for mode in rotated(CONTENDERS, r):
+                advance(f"{kind} round {r + 1}/{warmup + rounds} {mode}")
+                contenders[mode].block(block, samples[mode] if r >= warmup else None)
+        first = contenders["none"]
+        params = sum(p.numel() for p in first.model.parameters())
+        return KindResult(kind, params, state_bytes(first.model, first.opt), size, samples)
+    finally:
+        for c in contenders.values():
+            c.close()
+
+
+# ---------------------------------------------------------------- statistics (pure functions)
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (linear between order statistics, as numpy's default)."""
+    if not xs:
+        raise ValueError("quantile of no samples")
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """A relative overhead (0.05 is +5%) with its confidence interval."""
+
+    estimate: float
+    low: float
+    high: float
+
+    @property
+    def within_noise(self) -> bool:
+        """The interval holds 0: this run cannot tell the contender from the baseline."""
+        return self.low <= 0.0 <= self.high
+
+    def __str__(self) -> str:
+        ci = f"95% CI {self.low * 100:+.1f}% to {self.high * 100:+.1f}%"
+        if self.within_noise:
+            return f"within noise ({ci})"
+        return f"{self.estimate * 100:+.1f}% ({ci})"
+
+
+def overhead(base: Sequence[float], other: Sequence[float], *, level: float = 0.95, resamples: int = 4000,
+             seed: int = 0) -> Overhead:
+    """The overhead of ``other`` over ``base``, paired by round (``base[i]`` and ``other[i]`` were
+    measured in the same round): the median of the ratios ``other[i] / base[i]``, minus 1, with a
+    bootstrap percentile interval (rounds resampled with replacement; seeded, so the same samples
+    give the same interval)."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"overhead needs paired rounds, got {len(base)} and {len(other)}")
+    ratios = [o / b for o, b in zip(other, base)]
+    rng = random.Random(seed)
+    boot = [statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)]
+    tail = (1 - level) / 2
+    return Overhead(statistics.median(ratios) - 1, quantile(boot, tail) - 1, quantile(boot, 1 - tail) - 1)
+
+
+def round_medians(s: Samples) -> list[float]:
+    return [statistics.median(r) for r in s.rounds]
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _ms(xs: Sequence[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:.1f}" if xs else "-"
+
+
+def table_rows(result: KindResult) -> list[list[str]]:
+    """One row per contender: label, median iteration [IQR], overhead, blocked per save (median /
+    p90), copied at save (MB), snapshot memory (MB), background write (ms)."""
+    base = round_medians(result.samples["none"])
+    rows = []
+    for mode in CONTENDERS:
+        s = result.samples[mode]
+        t = s.times
+        it = f"{statistics.median(t) * 1e3:.1f} [{quantile(t, 0.25) * 1e3:.1f}-{quantile(t, 0.75) * 1e3:.1f}]"
+        over = "-" if mode == "none" else str(overhead(base, round_medians(s)))
+        blocked = f"{_ms(s.blocked)} / {quantile(s.blocked, 0.9) * 1e3:.1f}" if s.blocked else "-"
+        copied = f"{statistics.median(s.copied) / 1e6:.1f}" if s.copied else "-"
+        arena = f"{s.arena / 1e6:.1f}" if s.copied else "-"
+        rows.append([label(mode), it, over, blocked, copied, arena, _ms(s.write)])
+    return rows
+
+
+TABLE_HEADER = ["checkpoint every iteration", "iteration (ms): median [IQR]", "overhead vs no checkpoint",
+                "blocked per save (ms): median / p90", "copied at save (MB)", "snapshot memory (MB)",
+                "background write (ms)"]
+
+
+def table(result: KindResult) -> str:
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
+    return "\n".join(lines)
+
+
+def describe(result: KindResult, threads: int) -> str:
+    s = result.size
+    return (f"## {result.kind}: {result.params / 1e6:.1f} M parameters, checkpoint {result.state_bytes / 1e6:.0f} MB "
+            f"(weights + AdamW moments), batch {s.batch} x {s.seq} tokens, training threads: {threads}")
+
+
+def part_overhead(args: argparse.Namespace, workdir: str) -> list[KindResult]:
+    size = SIZES[args.size]
+    per_kind = (args.warmup + args.rounds) * len(CONTENDERS)
+    print(f"\nEvery contender trains its own copy of the model; they take turns in blocks of {SETTLE} + "
+          f"{args.block} iterations (the first not timed), the order rotated every round; {args.rounds} rounds "
+          f"after {args.warmup} warm-up. Overhead: median over rounds of the contender's median iteration over "
+          "no checkpoint's in the same round, with a 95% bootstrap interval.", flush=True)
+    results = []
+    with _progress(2 * per_kind, enabled=not args.quiet) as advance:
+        for kind in ("gpt", "moe"):
+            r = measure(kind, size, rounds=args.rounds, warmup=args.warmup, block=args.block, workdir=workdir,
+                        advance=advance)
+            print(f"\n{describe(r, torch.get_num_threads())}\n\n{table(r)}", flush=True)
+            results.append(r)
+    return results
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr (tqdm) when stderr is a terminal and tqdm is installed."""
+    bar: Any = None
+    if enabled and sys.stderr.isatty():
+        try:
+            bar = importlib.import_module("tqdm").tqdm(total=total, file=sys.stderr, leave=False, unit="block")
+        except ImportError:
+            bar = None
+
+    def advance(desc: str) -> None:
+        if bar is not None:
+            bar.set_description(desc, refresh=False)
+            bar.update(1)
+
+    try:
+        yield advance
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _plot(results: list[KindResult], path: str, threads: int) -> bool:
+    """Draw the picture; False (with a message) when matplotlib is missing."""
+    try:
+        from fastpersist.cli import _plot as plot  # matplotlib inside
+        panels = [plot.Panel(r.kind.upper() if r.kind == "gpt" else "MoE",
+                             {label(m): [t * 1e3 for t in r.samples[m].times] for m in CONTENDERS},
+                             {label(m): [b * 1e3 for b in r.samples[m].blocked] for m in CONTENDERS[1:]})
+                  for r in results]
+        sizes = ", ".join(f"{p.name} {r.params / 1e6:.1f} M params / {r.state_bytes / 1e6:.0f} MB checkpoint"
+                          for p, r in zip(panels, results))
+        title = (f"fastpersist demo: a checkpoint every iteration, CPU training ({os.cpu_count()} cores, "
+                 f"{threads} training thread{'s' if threads > 1 else ''}, torch {torch.__version__})\n{sizes}")
+        plot.write_plot(path, title, panels)
+    except ModuleNotFoundError as e:
+        if e.name is None or not e.name.startswith("matplotlib"):
+            raise
+        print("\nno picture: matplotlib is not installed; install the plot extra: pip install 'fastpersist[plot]'",
+              flush=True)
+        return False
+    print(f"\npicture: {os.path.abspath(path)}", flush=True)
+    return True
 
 
 # ------------------------------------------------------------------------------- part 2
@@ -347,25 +593,37 @@ def main(argv: list[str]) -> int:
         return train_main(argv[1:])
     p = argparse.ArgumentParser(prog="fastpersist demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=15, help="measured iterations per run")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=3, help="runs of every mode (alternating order)")
+    p.add_argument("--rounds", type=int, default=10, help="measured rounds (every contender one block each)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up rounds, not measured")
+    p.add_argument("--block", type=int, default=3,
+                   help=f"measured iterations per block (after {SETTLE} untimed one); at least 2")
+    p.add_argument("--size", default="small", choices=sorted(SIZES), help="the models' size (tiny: for tests)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--threads", type=int, default=1,
-                   help="training's intra-op threads (default 1: leaves a core for I/O, as a GPU job leaves "
-                        "its CPU cores; with every core computing, any I/O competes with training)")
-    p.add_argument("--skip-crash", action="store_true")
+                   help="training's intra-op threads, the same for every contender (default 1: leaves a core "
+                        "for I/O, as a GPU job leaves its CPU cores; with every core computing, any I/O competes "
+                        "with training)")
+    p.add_argument("--plot", default=DEFAULT_PLOT, metavar="FILE.png",
+                   help=f"where to draw the picture (default: {DEFAULT_PLOT} in the current directory; needs "
+                        "matplotlib: pip install 'fastpersist[plot]')")
+    p.add_argument("--no-plot", action="store_true", help="draw no picture")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--skip-crash", action="store_true", help="part 1 only")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or args.block < 2 or args.threads < 1:
+        p.error("--rounds and --threads must be at least 1, --block at least 2, --warmup at least 0")
     torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="fastpersist-demo-", dir=args.dir)
     print(f"# fastpersist demo: checkpoint every iteration ({os.cpu_count()} cores, torch {torch.__version__}, "
           f"checkpoints in {workdir})", flush=True)
     try:
-        part_overhead(args, workdir)
+        results = part_overhead(args, workdir)
+        drawn = True if args.no_plot else _plot(results, args.plot, args.threads)
         ok = True if args.skip_crash else part_crash(args, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if ok else 1
+    explicit = any(a == "--plot" or a.startswith("--plot=") for a in argv)
+    return 0 if ok and (drawn or not explicit) else 1
 
 
 if __name__ == "__main__":

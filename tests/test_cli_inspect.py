@@ -78,3 +78,16 @@ def test_a_moved_root_is_named_with_the_option_to_pass(two_roots, tmp_path, caps
 def test_a_directory_that_is_no_checkpoint_is_a_usage_error(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "neither a checkpoint directory" in capsys.readouterr().err
+
+
+def test_paths_of_the_wrong_kind_say_what_they_are(tmp_path):
+    from fastpersist.errors import CheckpointError
+
+    f = tmp_path / "afile"
+    f.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="afile is a file, not a directory"):
+        fp.save({"a": torch.ones(2)}, str(f / "x.pt"))
+    with pytest.raises(CheckpointError, match="afile is a file, not a checkpoint root directory"):
+        fp.open(str(f)).list()
+    with pytest.raises(CheckpointError, match="afile: it is a file, not a checkpoint directory"):
+        fp.load_checkpoint(str(f))

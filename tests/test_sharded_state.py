@@ -269,6 +269,18 @@ def test_a_missing_data_file_names_the_file(copy_of):
         fastpersist.open(roots).load(7)
 
 
+def test_a_truncated_data_file_names_the_file(copy_of):
+    roots, _ = copy_of
+    step = os.path.join(roots[0], "step-00000007")
+    victim = next(n for n in sorted(os.listdir(step)) if f"-{mf.SHARDED}-r00001-" in n)
+    path = os.path.join(step, victim)
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(CorruptCheckpointError, match=f"{victim} is truncated"):
+        fastpersist.open(roots).load(7)
+    problems = fastpersist.open(roots).verify(7)
+    assert problems and all(victim in str(p) for p in problems)
+
+
 def test_a_flipped_byte_names_the_tensor(copy_of):
     roots, _ = copy_of
     man = _manifest(roots)

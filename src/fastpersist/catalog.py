@@ -62,6 +62,8 @@ def scan(root: str) -> list[Entry]:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
+    except NotADirectoryError as e:
+        raise CheckpointNotFoundError(f"{root} is a file, not a checkpoint root directory") from e
     out = []
     for name in names:
         step = parse_step_dir(name)
@@ -89,6 +91,8 @@ def read_manifest(step_path: str, backend: FileBackend | None = None) -> mf.Mani
     checked against its own checksum and parsed strictly (:func:`manifest.parse`).
     """
     path = os.path.join(step_path, mf.MANIFEST_NAME)
+    if os.path.lexists(step_path) and not os.path.isdir(step_path):
+        raise CheckpointNotFoundError(f"no checkpoint at {step_path}: it is a file, not a checkpoint directory")
     try:
         raw = (backend or FileBackend()).read_small(path, mf.MAX_MANIFEST_BYTES, "manifest")
     except CheckpointNotFoundError as e:
@@ -146,8 +150,9 @@ def read_latest(root: str) -> int | None:
     manifests decide by their commit sequence. The pointer is read without blocking and only
     if it is a small regular file; a checkpoint counts only if its manifest is a regular file.
     """
+    found = scan(root)  # first: a root that is a file is named as such
     hint = _read_hint(root)
-    entries = [e for e in scan(root) if e.committed and _is_regular(os.path.join(e.path, mf.MANIFEST_NAME))]
+    entries = [e for e in found if e.committed and _is_regular(os.path.join(e.path, mf.MANIFEST_NAME))]
     by_step = {e.step: e for e in entries}
     if hint is not None and hint in by_step:
         hint_time = _manifest_mtime(by_step[hint].path)

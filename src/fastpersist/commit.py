@@ -27,7 +27,8 @@ def check_directory(path: str) -> str:
     """The absolute directory ``path`` would be written in; raises if it cannot be."""
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
-        raise CheckpointWriteError(f"cannot save {path}: directory {d} does not exist")
+        what = "is a file, not a directory" if os.path.lexists(d) else "does not exist"
+        raise CheckpointWriteError(f"cannot save {path}: {d} {what}")
     if os.path.isdir(path):
         raise CheckpointWriteError(f"cannot save {path}: it is a directory")
     return d

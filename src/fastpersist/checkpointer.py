@@ -41,6 +41,7 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +56,9 @@ from fastpersist.handle import History, SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
 from fastpersist.lock import RootLock
 from fastpersist.plan import Extent, plan, plan_digest
-from fastpersist.replicas import ReplicaDigests, check_replicas
+from fastpersist.replicas import ReplicaDigests, check_replicas, check_replicated_chunks, tensor_digest
 from fastpersist.roots import check_roots
-from fastpersist.stage import Arena, capture, capture_storages, copy_bytes, guarded_storages, scan
+from fastpersist.stage import Arena, Capture, copy_bytes, guarded_storages, scan
 from fastpersist.state import to_saveable
 from fastpersist.timeline import Retention
 from fastpersist.view import CheckpointInfo, CheckpointView, Roots, list_checkpoints, load_checkpoint, root_list
@@ -72,6 +73,7 @@ class _Written:
     reports: list[sharded.FileReport]
     objects: dict[str, tuple[list[str], list[int], list[mf.TensorEntry]]]  # objects whose skeleton this rank wrote
     digests: list[int] | None = None  # per replicated storage, for the replica check
+    chunk_digests: dict[int, int] = dataclasses.field(default_factory=dict)  # replicated shards held here
 
 
 MODES = ("sync", "snapshot", "overlap")
@@ -196,6 +198,9 @@ class Checkpointer:
         self._closed = False
         self._broken: str | None = None  # set on every rank alike when the ranks fell out of step
         self._commits: dict[int, timeline.Commit] | None = None  # coordinator: read at the first save
+        # Coordinator: retention deletes old checkpoints in this thread, off the save's path
+        self._janitor: ThreadPoolExecutor | None = None
+        self._deleting: set[int] = set()  # steps whose deletion is queued or running
         self.history = History(history)  # metrics of recent saves, and totals
         self.writer_ranks = writer_ranks(writers, self._hosts)
         self._clean_start = clean_start
@@ -390,21 +395,21 @@ class Checkpointer:
         arena = self._arena.take(need) if need else None
         job.uses_arena = arena is not None
         try:
+            # one capture for the whole job: a storage shared by the state, the rank state and
+            # the shards is copied once (the arena was sized for each storage once)
+            cap = Capture(live, arena)
             if job.prepared is not None:
-                pos, copied = capture_storages(job.prepared[0].storages, live, arena)
-                if job.prepared[1] is not None:
-                    pos, more = capture_storages(job.prepared[1].storages, live, arena, pos)
-                    copied += more
+                for prepared in job.prepared:
+                    if prepared is not None:
+                        prepared.storages[:] = [cap.storage(st) for st in prepared.storages]
             else:
-                job.state, pos, copied = capture(job.state, live, arena)
+                job.state = cap(job.state)
                 if job.rank_state is not None:
-                    job.rank_state, pos, more = capture(job.rank_state, live, arena, pos)
-                    copied += more
-            if local:
-                captured, _, more = capture(local, live, arena, pos)
-                copied += more
-                for sh, t in zip(job.shards or [], captured):
-                    sh.tensor = t
+                    job.rank_state = cap(job.rank_state)
+            for sh, t in zip(job.shards or [], [cap(t) for t in local]):
+                sh.tensor = t
+            cap.finish()
+            copied = cap.copied
         except BaseException:
             self._release(job)
             raise
@@ -510,6 +515,7 @@ class Checkpointer:
             job.handle.metrics.write_s = time.perf_counter() - t_write
             if self.check_replicated and self.comm.world_size > 1:
                 check_replicas(step, [w.digests for w in written], rep, job.state)
+                check_replicated_chunks(step, [w.chunk_digests for w in written], [c.key for c in layout.chunks])
             agree(self.comm, f"committing checkpoint step {step}",
                   lambda: self._commit(step, save_id, written, job.metadata, layout) if self.rank == 0 else None)
         except CheckpointError:
@@ -540,6 +546,8 @@ class Checkpointer:
             job.prepared = (rep, own)
         rep = job.prepared[0]
         digest = plan_digest(rep.sizes, len(slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
+        if self.rank == 0 and job.step in self._deleting:  # saving a step retention is deleting: let it finish
+            self._drain_deletions()
         if self.rank == 0 and not self._lock_file.held:
             self._lock_file.acquire()
             if self._clean_start:
@@ -553,6 +561,8 @@ class Checkpointer:
         try:
             written = self._write_files(name, save_id, rep, own, extents, slots)
             written.reports += self._write_shards(name, save_id, job.shards or [], layout)
+            if hashing is not None:
+                written.chunk_digests = self._chunk_digests(job.shards or [], layout)
             if hashing is not None:
                 written.digests = hashing.result()
                 job.handle.metrics.replica_check_s = hashing.seconds
@@ -615,6 +625,16 @@ class Checkpointer:
         return [dataclasses.replace(r, extents=tuple(dataclasses.replace(e, storage=mine[e.storage].chunk)
                                                      for e in r.extents)) for r in reports]
 
+    def _chunk_digests(self, shards: list[dtensor.LocalShard], layout: dtensor.Layout) -> dict[int, int]:
+        """xxh3-64 of every shard this rank holds that other ranks hold too (the replica check)."""
+        index = {(c.path, c.offsets, c.sizes): i for i, c in enumerate(layout.chunks)}
+        out = {}
+        for sh in shards:
+            c = index.get((sh.meta.path, sh.meta.offsets, sh.meta.sizes))
+            if c is not None and len(layout.holders[c]) > 1:
+                out[c] = tensor_digest(sh.tensor)
+        return out
+
     def _commit(self, step: int, save_id: str, written: list[_Written],
                 metadata: Mapping[str, Any] | None, layout: dtensor.Layout) -> None:
         reports = [r for w in written for r in w.reports]
@@ -669,17 +689,42 @@ class Checkpointer:
         if self._commits is None:
             return
         with self._lock:
-            protected = {j.step for j in self._in_flight} | {step}
-        for old in self.retention.to_delete(list(self._commits.values()), protected):
-            if catalog.remove_checkpoint(self.roots, old, self.backend):
-                self._commits.pop(old, None)
+            protected = {j.step for j in self._in_flight} | {step} | self._deleting
+            victims = self.retention.to_delete(list(self._commits.values()), protected)
+            if not victims:
+                return
+            gone = {old: self._commits.pop(old) for old in victims}
+            self._deleting |= set(victims)
+        if self._janitor is None:
+            self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastpersist-retention")
+        self._janitor.submit(self._delete, gone)
+
+    def _delete(self, gone: dict[int, timeline.Commit]) -> None:
+        """Retention's deletions, in the janitor thread: the committed save (and the next one)
+        do not wait for them. A checkpoint whose manifest could not be removed stays committed."""
+        for old, commit in gone.items():
+            try:
+                kept = not catalog.remove_checkpoint(self.roots, old, self.backend)
+            except Exception as e:  # noqa: BLE001 - best effort, like every retention deletion
+                logger.warning("retention could not delete checkpoint step %d: %s", old, e)
+                kept = True
+            with self._lock:
+                self._deleting.discard(old)
+                if kept and self._commits is not None:
+                    self._commits.setdefault(old, commit)
+
+    def _drain_deletions(self) -> None:
+        if self._janitor is not None:
+            self._janitor.submit(lambda: None).result()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for every checkpoint in flight; raises the first failure not yet raised."""
+        """Wait for every checkpoint in flight (and the deletions retention started); raises
+        the first failure not yet raised."""
         with self._room:
             if not self._room.wait_for(lambda: not self._in_flight, timeout):
                 step = self._in_flight[0].step
                 raise TimeoutError(f"checkpoint step {step} is still in flight after {timeout} s")
+        self._drain_deletions()
         self._raise_failed()
 
     def close(self) -> None:
@@ -693,6 +738,9 @@ class Checkpointer:
                 self._queue.put(None)
                 self._worker.join()
                 self._worker = None
+            if self._janitor is not None:
+                self._janitor.shutdown(wait=True)
+                self._janitor = None
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
@@ -728,7 +776,9 @@ class Checkpointer:
         return self._view.metadata(step)
 
     def list(self) -> list[CheckpointInfo]:
-        """Every checkpoint in the first root, committed or not, by step."""
+        """Every checkpoint in the first root, committed or not, by step (after the deletions
+        retention has started)."""
+        self._drain_deletions()
         return self._view.list()
 
     def latest_step(self) -> int | None:

@@ -116,6 +116,8 @@ def chunk_of(value: Any, path: Path) -> LocalShard:
                                     f"its placement says {sizes}")
     meta = ChunkMeta(path, dtype_name(value.dtype, f"state[{key!r}]"), tuple(int(x) for x in value.shape),
                      offsets, sizes)
+    # raw bytes are written: a lazy conjugate or negative view is resolved first (a copy)
+    tensor = tensor.resolve_conj().resolve_neg()
     return LocalShard(meta, tensor if tensor.is_contiguous() else tensor.contiguous())
 
 
@@ -143,7 +145,12 @@ def _split(obj: Any, path: Path, shards: list[LocalShard]) -> Any:
         if len(shards) == found:
             return obj
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        if _holds_dtensor(tuple(obj)):
+            raise UnsaveableObjectError(f"state[{mf.key_name(path)!r}] is a {type(obj).__name__} (a namedtuple) "
+                                        "holding DTensors: put sharded tensors in dicts, lists or tuples")
+        return obj
+    if isinstance(obj, (list, tuple)):
         found = len(shards)
         values = [_split(v, path + (i,), shards) if _holds_dtensor(v) else v for i, v in enumerate(obj)]
         if len(shards) == found:
@@ -157,7 +164,7 @@ def _holds_dtensor(obj: Any) -> bool:
         return is_dtensor(obj)
     if isinstance(obj, Mapping):
         return any(_holds_dtensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+    if isinstance(obj, (list, tuple)):  # namedtuples too: split() refuses them by name
         return any(_holds_dtensor(v) for v in obj)
     return False
 
@@ -184,7 +191,8 @@ def tensor_index(obj: Any, keys: Sequence[str], storages: Sequence[torch.Untyped
         if isinstance(o, torch.Tensor):
             key = by_storage.get(o.untyped_storage()._cdata)
             name = str(o.dtype).removeprefix("torch.")
-            if path and key is not None and name in mf.DTYPE_SIZES and path not in seen and o.layout == torch.strided:
+            plain = o.layout == torch.strided and not o.is_conj() and not o.is_neg()  # raw bytes = values
+            if path and key is not None and name in mf.DTYPE_SIZES and path not in seen and plain:
                 seen.add(path)
                 out.append(mf.TensorEntry(path, name, tuple(o.shape), tuple(o.stride()), key, int(o.storage_offset())))
         elif isinstance(o, Mapping):
@@ -206,6 +214,7 @@ class Layout:
     tensors: list[tuple[Path, str, tuple[int, ...]]]
     chunks: list[ChunkMeta]
     pieces: list[Piece]
+    holders: list[list[int]]  # per chunk, the ranks that hold it
 
 
 def assign(per_rank: Sequence[Sequence[ChunkMeta]]) -> Layout:
@@ -248,7 +257,7 @@ def assign(per_rank: Sequence[Sequence[ChunkMeta]]) -> Layout:
             r = min(hs, key=lambda r: (loads[r], r))
             pieces.append(Piece(c, 0, n, r))
             loads[r] += n
-    return Layout([(p, d, shape) for p, (d, shape, _) in tensors.items()], chunks, pieces)
+    return Layout([(p, d, shape) for p, (d, shape, _) in tensors.items()], chunks, pieces, holders)
 
 
 def _check_tiling(chunks: Sequence[ChunkMeta], tensors: Mapping[Path, tuple[str, tuple[int, ...], int]]) -> None:

@@ -36,6 +36,14 @@ def storage_digest(storage: torch.UntypedStorage) -> int:
     return h.intdigest()
 
 
+def tensor_digest(t: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous tensor's bytes."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type == "cpu":
+        return xxhash.xxh3_64_intdigest(memory_view(t.data_ptr(), nbytes))
+    return xxhash.xxh3_64_intdigest(t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+
+
 class ReplicaDigests:
     """Hashes every storage of ``prepared`` in a background thread; :meth:`result` waits."""
 
@@ -113,3 +121,22 @@ def check_replicas(step: int, digests: Sequence[list[int] | None], prepared: Pre
         "with Checkpointer(check_replicated=False)",
         name, ranks,
     )
+
+
+def check_replicated_chunks(step: int, digests: Sequence[dict[int, int]], keys: Sequence[str]) -> None:
+    """Raise :class:`ReplicaMismatchError` if the holders of a replicated shard (a DTensor chunk
+    held by several ranks, written once and split over them) hold different bytes. ``digests``
+    maps, per rank, chunk index -> xxh3-64 of its local copy; ``keys`` names each chunk."""
+    seen: dict[int, tuple[int, int]] = {}  # chunk -> (first holder, its digest)
+    for rank, mine in enumerate(digests):
+        for c, d in sorted(mine.items()):
+            first = seen.setdefault(c, (rank, d))
+            if first[1] != d:
+                raise ReplicaMismatchError(
+                    f"checkpoint step {step}: the shard of sharded tensor {keys[c]!r} replicated over a mesh "
+                    f"dimension holds different values on rank {rank} and rank {first[0]}; it is written once for "
+                    "its replica group, so nothing was committed. The ranks have diverged (or this DTensor's "
+                    "placement says Replicate where the values differ). Jobs that guarantee replication can skip "
+                    "this check with Checkpointer(check_replicated=False)",
+                    keys[c], [rank],
+                )

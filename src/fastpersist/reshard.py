@@ -20,7 +20,7 @@ is read, so a mismatch loads nothing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,12 +42,35 @@ BUFFER_BYTES = 256 << 20
 
 @dataclass
 class Target:
-    """Fill ``dest`` (the box ``[offsets, offsets + dest.shape)`` of ``entry``'s global tensor)."""
+    """Fill ``dest`` (the box ``[offsets, offsets + dest.shape)`` of ``entry``'s global tensor).
+
+    ``dest=None``: fresh memory, made by ``make`` (default: the whole tensor) for the box
+    ``[offsets, offsets + size)`` once the files are open and sized, so a damaged manifest
+    cannot make a load allocate more than the files hold."""
 
     entry: mf.ShardedEntry
-    dest: torch.Tensor
-    offsets: tuple[int, ...]
+    dest: torch.Tensor | None = None
+    offsets: tuple[int, ...] = ()
     fresh: bool = False  # dest was never touched (faulted in ahead of the reads)
+    size: tuple[int, ...] | None = None
+    make: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.dest is not None:
+            return tuple(self.dest.shape)
+        return self.size if self.size is not None else self.entry.shape
+
+    def box(self) -> tuple[int, ...]:
+        return self.offsets or (0,) * len(self.entry.shape)
+
+
+def whole(path: str, entry: mf.ShardedEntry) -> torch.Tensor:
+    """A fresh, page-aligned tensor of ``entry``'s global shape and dtype."""
+    dtype = getattr(torch, entry.dtype)
+    if not entry.nbytes:
+        return torch.empty(entry.shape, dtype=dtype)
+    return allocate(path, entry.nbytes)[: entry.nbytes].view(dtype).view(entry.shape)
 
 
 @dataclass
@@ -95,6 +118,8 @@ def plan_parts(targets: Sequence[Target], verify: bool) -> list[_Part]:
     for t in targets:
         e = t.entry
         item = e.itemsize
+        if t.dest is None:
+            continue
         shape = tuple(t.dest.shape)
         dest_ok = t.dest.device.type == "cpu" and t.dest.is_contiguous()
         for c in e.chunks:
@@ -108,9 +133,9 @@ def plan_parts(targets: Sequence[Target], verify: bool) -> list[_Part]:
             last = sum((x + n - 1) * st for x, n, st in zip(local, sizes, cs))
             p = _Part(t, c, start, sizes, first * item, (last + 1) * item)
             p.extents = [x for x in c.extents if x.start < p.hi and x.start + x.nbytes > p.lo]
-            whole = p.extents[0].start == p.lo and p.extents[-1].start + p.extents[-1].nbytes == p.hi
+            complete = p.extents[0].start == p.lo and p.extents[-1].start + p.extents[-1].nbytes == p.hi
             p.direct = (dest_ok and _contiguous_in(sizes, c.sizes) and _contiguous_in(sizes, shape)
-                        and (whole or not verify))
+                        and (complete or not verify))
             if p.direct:
                 ds = _row_major(shape)
                 p.addr = t.dest.data_ptr() + sum((s - o) * st for s, o, st in zip(start, t.offsets, ds)) * item
@@ -142,13 +167,24 @@ def read_sharded(dirs: Sequence[str], manifest: mf.Manifest, targets: Sequence[T
     bytes read. Errors name the tensor's key, the file and the offset."""
     wanted = {t.entry.path for t in targets}
     needed = sorted({x.file for t in targets for c in t.entry.chunks for x in c.extents
-                     if intersect(t.offsets, tuple(t.dest.shape), c.offsets, c.sizes) is not None})
+                     if intersect(t.box(), t.shape, c.offsets, c.sizes) is not None})
     files: dict[int, DirectFile] = {}
+    cached: dict[int, DirectFile] = {}  # the same files through the page cache, for buffered parts
+
+    def cached_file(index: int) -> DirectFile:
+        if index not in cached:
+            cached[index] = open_file(dirs, manifest, index, "off", backend)
+        return cached[index]
+
     try:
         for index in needed:
             files[index] = open_file(dirs, manifest, index, config.direct, backend)
+        for t in targets:
+            if t.dest is None:
+                t.dest = t.make() if t.make is not None else whole(dirs[0], t.entry)
+                t.offsets, t.fresh = t.box(), True
         try:
-            return _fill(dirs[0], targets, files, verify=verify, config=config)
+            return _fill(dirs[0], targets, files, cached_file, verify=verify, config=config)
         except ReadFailedError as e:
             keys = sorted({mf.key_name(p) for p in wanted
                            for ent in manifest.sharded if ent.path == p for c in ent.chunks for x in c.extents
@@ -157,12 +193,12 @@ def read_sharded(dirs: Sequence[str], manifest: mf.Manifest, targets: Sequence[T
             what = f" (sharded tensor{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys[:5]))})" if keys else ""
             raise ReadFailedError(f"{e}{what} of checkpoint step {manifest.step}", e.path, e.offset, e.nbytes) from e
     finally:
-        for file in files.values():
+        for file in [*files.values(), *cached.values()]:
             file.close()
 
 
-def _fill(path: str, targets: Sequence[Target], files: dict[int, DirectFile], *, verify: bool,
-          config: IOConfig) -> int:
+def _fill(path: str, targets: Sequence[Target], files: dict[int, DirectFile],
+          cached_file: Callable[[int], DirectFile], *, verify: bool, config: IOConfig) -> int:
     parts = plan_parts(targets, verify)
     total = 0
     batch: list[_Part] = []
@@ -172,20 +208,26 @@ def _fill(path: str, targets: Sequence[Target], files: dict[int, DirectFile], *,
             lo, hi = _span(p, verify)
             need = align_up(hi - lo) + ALIGN
             if batch and held + need > BUFFER_BYTES:
-                total += _run(path, batch, files, verify, config)
+                total += _run(path, batch, files, cached_file, verify, config)
                 batch, held = [], 0
             held += need
         if p is None:
-            total += _run(path, batch, files, verify, config)
+            total += _run(path, batch, files, cached_file, verify, config)
         else:
             batch.append(p)
     return total
 
 
-def _run(path: str, parts: list[_Part], files: dict[int, DirectFile], verify: bool, config: IOConfig) -> int:
+def _run(path: str, parts: list[_Part], files: dict[int, DirectFile], cached_file: Callable[[int], DirectFile],
+         verify: bool, config: IOConfig) -> int:
+    """Read a batch of parts. Direct parts go to the destination with O_DIRECT; buffered parts
+    (a slice of a chunk, as when resharding Shard(0) -> Shard(1)) are read through the page
+    cache, so the ranks of a node that each need a slice of the same extents read them from the
+    device once, not once per rank."""
     if not parts:
         return 0
     by_file: dict[int, list[ReadRequest]] = {}
+    by_cached: dict[int, list[ReadRequest]] = {}
     for p in parts:
         if not p.direct:
             lo, hi = _span(p, verify)
@@ -195,8 +237,9 @@ def _run(path: str, parts: list[_Part], files: dict[int, DirectFile], verify: bo
             p.buffer = buf
             p.addr = buf.data_ptr() + phase
         for f, r in _requests(p, verify):
-            by_file.setdefault(f, []).append(r)
+            (by_file if p.direct else by_cached).setdefault(f, []).append(r)
     _read_files(files, by_file, config)
+    _read_files({f: cached_file(f) for f in by_cached}, by_cached, config)
     if verify:
         _verify(path, parts, files, config.reader_threads)
     for p in parts:
@@ -234,6 +277,8 @@ def _verify(path: str, parts: list[_Part], files: dict[int, DirectFile], threads
 
 def _copy_out(p: _Part, verify: bool) -> None:
     t, c = p.target, p.chunk
+    if t.dest is None:
+        return
     dtype = t.dest.dtype
     item = t.entry.itemsize
     lo, _ = _span(p, verify)
@@ -246,5 +291,6 @@ def _copy_out(p: _Part, verify: bool) -> None:
     cs = _row_major(c.sizes)
     view = src.as_strided(p.sizes, cs, src.storage_offset())
     index = tuple(slice(s - o, s - o + n) for s, o, n in zip(p.start, t.offsets, p.sizes))
-    t.dest[index].copy_(view)
+    with torch.no_grad():  # a parameter's local tensor requires grad; this is a load, not a step
+        t.dest[index].copy_(view)
 

@@ -114,13 +114,14 @@ def copy_bytes(storages: Iterable[torch.UntypedStorage], live: set[int]) -> int:
 
 
 
-class _Capture:
+class Capture:
     """A structural copy of a state: containers rebuilt, tensors re-pointed.
 
     Tensors on a ``live`` storage become aliases (same memory, metadata fixed now); every other
     storage is copied once into the arena and its tensors become views of the copy, so storages
     shared by several tensors stay shared. Only :func:`plain` objects can be captured this way;
-    others are pickled at save time and only their storages are captured (:func:`capture_storages`).
+    others are pickled at save time and only their storages are captured (:meth:`storage`). One
+    capture serves a whole save, so a storage shared by several objects is copied once.
     """
 
     def __init__(self, live: set[int], arena: torch.Tensor | None) -> None:
@@ -195,27 +196,3 @@ class _Capture:
         for stream in self.streams.values():  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
             stream.synchronize()
         ready_events.mark(self.live_seen)  # guarded device storages: the save point, for the writer
-
-
-def capture_storages(storages: list[torch.UntypedStorage], live: set[int],
-                     arena: torch.Tensor | None, start: int = 0) -> tuple[int, int]:
-    """Replace, in place, every storage not in ``live`` by its copy in ``arena``."""
-    c = _Capture(live, arena)
-    c.pos = start
-    storages[:] = [c.storage(s) for s in storages]
-    c.finish()
-    return c.pos, c.copied
-
-
-def capture(obj: Any, live: set[int], arena: torch.Tensor | None,
-            start: int = 0) -> tuple[Any, int, int]:
-    """A copy of ``obj`` whose tensors no longer change with training, except ``live`` ones.
-
-    Copies go into ``arena`` from byte ``start``; returns the copy, the arena offset after the
-    last copy, and the bytes copied.
-    """
-    c = _Capture(live, arena)
-    c.pos = start
-    out = c(obj)
-    c.finish()
-    return out, c.pos, c.copied

@@ -73,11 +73,11 @@ def _copy_tensor(target: Any, value: Any, key: object, where: str) -> None:
 
     if value is target:
         return
-    if not isinstance(value, torch.Tensor) or value.shape != target.shape:
-        what = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape or value.dtype != target.dtype:
+        what = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
             f"a {type(value).__name__}"
-        raise CheckpointReadError(f"{where}: entry {key!r} is {what}, the destination a tensor of shape "
-                                  f"{list(target.shape)}")
+        raise CheckpointReadError(f"{where}: entry {key!r} is {what}, the destination a {target.dtype} tensor of "
+                                  f"shape {list(target.shape)}")
     with torch.no_grad():
         target.copy_(value)
 

@@ -208,8 +208,8 @@ class TensorInfo:
 
 
 def tensor_infos(manifest: mf.Manifest) -> list[TensorInfo]:
-    out = [TensorInfo(t.key, t.dtype, t.shape, t.nbytes, False, 1, name)
-           for name, o in sorted(manifest.objects.items()) for t in o.tensors]
+    replicated = manifest.objects.get(mf.REPLICATED)
+    out = [TensorInfo(t.key, t.dtype, t.shape, t.nbytes, False, 1) for t in (replicated.tensors if replicated else ())]
     out += [TensorInfo(t.key, t.dtype, t.shape, t.nbytes, True, len(t.chunks)) for t in manifest.sharded]
     return out
 
@@ -243,45 +243,62 @@ def load_state(dirs: list[str], manifest: mf.Manifest, into: Mapping[str, Any] |
 
 def place_sharded(dirs: list[str], manifest: mf.Manifest, obj: Any, into: Mapping[str, Any] | None,
                   map_location: Any, verify: bool, config: IOConfig, backend: FileBackend | None) -> Any:
-    """Read every sharded tensor into its destination and put it at its key in ``obj``.
+    """Read the sharded tensors into their destinations and put them at their keys in ``obj``.
 
-    Every destination is checked (global shape, dtype) before any byte is read."""
+    With ``into``, only the tensors under its keys are read (the others stay ``None``): a
+    DTensor there is filled in place (its local shard only), a plain tensor of the full shape
+    too, anything else gets the whole tensor. Every destination is checked (global shape, dtype)
+    before any byte is read. A load that fails while reading (a checksum, an I/O error) may
+    leave those destinations partly overwritten; the error says so."""
     import torch
 
     dests = to_saveable(into) if into is not None else None
     targets: list[reshard.Target] = []
-    values: dict[tuple[str | int, ...], Any] = {}
+    in_place = False
     for e in manifest.sharded:
-        dtype = getattr(torch, e.dtype)
+        if into is not None and e.path[0] not in into:
+            continue
         t = dtensor.get_path(dests, e.path) if dests is not None else None
-        if isinstance(t, torch.Tensor) and (tuple(t.shape) != e.shape or t.dtype != dtype):
+        if isinstance(t, torch.Tensor) and (tuple(t.shape) != e.shape or t.dtype != getattr(torch, e.dtype)):
             raise CheckpointReadError(
                 f"{dirs[0]}: sharded tensor {e.key!r} of checkpoint step {manifest.step} is {e.dtype} of shape "
                 f"{list(e.shape)}, the destination is {str(t.dtype).removeprefix('torch.')} of shape "
                 f"{list(t.shape)}; nothing was loaded")
         if dtensor.is_dtensor(t):
             chunks = t.__create_chunk_list__()  # type: ignore[union-attr]
+            if len(chunks) != 1:
+                raise CheckpointReadError(f"{dirs[0]}: the destination of sharded tensor {e.key!r} is a DTensor "
+                                          f"whose local tensor holds {len(chunks)} chunks; it cannot be filled")
             local = dtensor.local(t)  # type: ignore[arg-type]
-            if len(chunks) == 1 and local.numel():
-                targets.append(reshard.Target(e, local, tuple(int(x) for x in chunks[0].offsets)))
-            values[e.path] = t
-        elif isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad:
+            targets.append(reshard.Target(e, local, tuple(int(x) for x in chunks[0].offsets)))
+            in_place = True
+        elif isinstance(t, torch.Tensor) and t.device.type == "cpu":
             targets.append(reshard.Target(e, t, (0,) * len(e.shape)))
-            values[e.path] = t
+            in_place = True
         else:
-            buf = allocate(dirs[0], e.nbytes)
-            full = buf[: e.nbytes].view(dtype).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype)
-            targets.append(reshard.Target(e, full, (0,) * len(e.shape), fresh=True))
-            values[e.path] = full
-    reshard.read_sharded(dirs, manifest, targets, verify=verify, config=config, backend=backend)
-    if isinstance(map_location, (str, torch.device)):
-        values = {p: v if dtensor.is_dtensor(v) else v.to(map_location) for p, v in values.items()}
+            targets.append(reshard.Target(e))  # the whole tensor, allocated once the files are checked
+    try:
+        reshard.read_sharded(dirs, manifest, targets, verify=verify, config=config, backend=backend)
+    except CheckpointError as err:
+        if in_place:
+            raise type(err)(f"{err}; the tensors of `into` that were being filled may be partly overwritten: "
+                            "load them again (from this or another checkpoint)") from err
+        raise
+    values: dict[tuple[str | int, ...], Any] = {}
+    for target in targets:
+        t = dtensor.get_path(dests, target.entry.path) if dests is not None else None
+        if isinstance(t, torch.Tensor):  # filled in place: the destination itself
+            values[target.entry.path] = t
+        else:
+            full = target.dest
+            values[target.entry.path] = full.to(map_location) if isinstance(map_location, (str, torch.device)) \
+                and full is not None else full
     return dtensor.put_paths(obj, values, dirs[0])
 
 
 def load_tensors(dirs: list[str], manifest: mf.Manifest, keys: list[str], map_location: Any, verify: bool | None,
                  config: IOConfig, backend: FileBackend | None = None) -> dict[str, Any]:
-    """The tensors named by ``keys``, reading only their bytes."""
+    """The tensors named by ``keys`` (whole), reading only their bytes."""
     import torch
 
     where = dirs[0]
@@ -292,46 +309,61 @@ def load_tensors(dirs: list[str], manifest: mf.Manifest, keys: list[str], map_lo
     if do_verify:
         sharded.check_unverified(dirs, manifest)
     replicated = manifest.objects[mf.REPLICATED]
-    index: dict[str, Any] = {t.key: t for t in replicated.tensors}
-    index.update(manifest.sharded_by_key())
+    index: dict[str, list[mf.TensorEntry | mf.ShardedEntry]] = {}
+    entries: list[mf.TensorEntry | mf.ShardedEntry] = [*replicated.tensors, *manifest.sharded]
+    for entry in entries:
+        index.setdefault(entry.key, []).append(entry)
     missing = [k for k in keys if k not in index]
     if missing:
         some = ", ".join(sorted(index)[:8])
         raise CheckpointReadError(f"{where}: checkpoint step {manifest.step} has no tensor {missing[0]!r}"
                                   f"{f' (and {len(missing) - 1} more missing)' if len(missing) > 1 else ''}; "
                                   f"it has {len(index)} tensors: {some}{', ...' if len(index) > 8 else ''}")
-    storages = {s.key: s for s in replicated.storages}
-    targets: list[reshard.Target] = []
-    out: dict[str, Any] = {}
     for k in keys:
-        entry = index[k]
+        if len(index[k]) > 1:
+            raise CheckpointReadError(f"{where}: key {k!r} names {len(index[k])} tensors of checkpoint step "
+                                      f"{manifest.step} (key paths {[list(e.path) for e in index[k]]}): their "
+                                      "dotted names collide; load the state whole")
+    storages = {s.key: s for s in replicated.storages}
+    targets: dict[str, reshard.Target] = {}
+    views: dict[str, tuple[int, mf.TensorEntry]] = {}
+    for k in keys:
+        entry = index[k][0]
         if isinstance(entry, mf.ShardedEntry):
-            dtype = getattr(torch, entry.dtype)
-            buf = allocate(where, entry.nbytes)
-            full = buf[: entry.nbytes].view(dtype).view(entry.shape) if entry.nbytes else \
-                torch.empty(entry.shape, dtype=dtype)
-            targets.append(reshard.Target(entry, full, (0,) * len(entry.shape), fresh=True))
-            out[k] = full
+            targets[k] = reshard.Target(entry)
             continue
         # a view of a replicated storage: read the bytes it spans, as a 1-D chunk of bytes
         item = mf.DTYPE_SIZES[entry.dtype]
         st = storages[entry.storage]
-        span = (entry.offset + sum((n - 1) * s for n, s in zip(entry.shape, entry.stride)) + 1) * item \
-            if all(entry.shape) else 0
         lo = entry.offset * item
-        raw = allocate(where, max(span - lo, 1))[: max(span - lo, 0)]
-        if span > lo:
+        span = (entry.offset + sum((n - 1) * s for n, s in zip(entry.shape, entry.stride)) + 1) * item - lo \
+            if all(entry.shape) else 0
+        views[k] = (span, entry)
+        if span:
             blob = mf.ShardedEntry(entry.path, "uint8", (st.nbytes,), (mf.ChunkEntry((0,), (st.nbytes,), st.extents),))
-            targets.append(reshard.Target(blob, raw, (lo,), fresh=True))
+            targets[k] = reshard.Target(blob, offsets=(lo,), size=(span,), make=_bytes_maker(where, span))
+    _wrap(where, manifest, "read tensors", lambda: reshard.read_sharded(
+        dirs, manifest, list(targets.values()), verify=do_verify, config=config, backend=backend))
+    out: dict[str, Any] = {}
+    for k in keys:
+        if k not in views:
+            out[k] = targets[k].dest
+            continue
+        span, entry = views[k]
         dtype = getattr(torch, entry.dtype)
-        typed = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
-        out[k] = typed.as_strided(entry.shape, entry.stride, typed.storage_offset()) if raw.numel() else \
-            torch.empty(entry.shape, dtype=dtype)
-    _wrap(where, manifest, "read tensors",
-          lambda: reshard.read_sharded(dirs, manifest, targets, verify=do_verify, config=config, backend=backend))
+        raw = targets[k].dest if span else None
+        if raw is None:
+            out[k] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        typed = raw.view(dtype)
+        out[k] = typed.as_strided(entry.shape, entry.stride, typed.storage_offset())
     if isinstance(map_location, (str, torch.device)):
         out = {k: v.to(map_location) for k, v in out.items()}
     return out
+
+
+def _bytes_maker(where: str, nbytes: int) -> Any:
+    return lambda: allocate(where, nbytes)[:nbytes]
 
 
 def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping[str, Any] | None,
@@ -393,16 +425,53 @@ def load_checkpoint(path: str | os.PathLike[str], other_roots: Sequence[str | os
     """Load a checkpoint from its directory in the first root, without a Checkpointer.
 
     ``other_roots`` are the checkpoint's other roots, in order (their directory of the same
-    name is used). ``rank`` selects a rank's own state instead of the replicated one.
+    name is used); without them, the roots the manifest recorded at save time are used when the
+    checkpoint is still where it was saved. ``rank`` selects a rank's own state instead of the
+    replicated one.
     """
-    first = os.path.abspath(os.fspath(path))
-    name = os.path.basename(first.rstrip(os.sep))
-    dirs = [first] + [os.path.join(os.path.abspath(os.fspath(r)), name) for r in other_roots]
-    manifest = catalog.read_manifest(first)
+    dirs = checkpoint_dirs(os.fspath(path), [os.fspath(r) for r in other_roots])
+    manifest = catalog.read_manifest(dirs[0])
     if rank is not None:
         return load_object(dirs, manifest, mf.rank_object(rank), None, map_location, weights_only, verify,
                            config or get_config())
     return load_state(dirs, manifest, None, map_location, weights_only, verify, config or get_config())
+
+
+def checkpoint_dirs(step_path: str, other_roots: Sequence[str] = (), option: str = "other_roots") -> list[str]:
+    """The directory of checkpoint ``step_path`` (in its first root) in each of its roots.
+
+    ``other_roots`` given: those, in order. Otherwise, for a checkpoint over several roots, the
+    root paths its manifest recorded at save time (format version 3), but only if the first root
+    is still where it was saved: a checkpoint that was copied or moved must be given its other
+    roots (``option`` names how), or the copy would be checked against the original's files.
+    Raises :class:`CheckpointNotFoundError` naming what is missing.
+    """
+    first = os.path.abspath(step_path)
+    name = os.path.basename(first.rstrip(os.sep))
+    if other_roots:
+        return [first] + [os.path.join(os.path.abspath(r), name) for r in other_roots]
+    try:
+        manifest = catalog.read_manifest(first)
+    except CheckpointError:
+        return [first]  # the manifest's own problem is reported by whoever reads it
+    if manifest.roots <= 1:
+        return [first]
+    need = f"pass the other {manifest.roots - 1} root(s) with {option}, in order"
+    if not manifest.root_paths:
+        raise CheckpointNotFoundError(f"{first}: the checkpoint is spread over {manifest.roots} roots and its "
+                                      f"manifest (format version {manifest.version}) does not record where; {need}")
+    here, saved = os.path.dirname(first.rstrip(os.sep)), manifest.root_paths[0]
+    if os.path.realpath(here) != os.path.realpath(saved):
+        raise CheckpointNotFoundError(f"{first}: the checkpoint was saved with its first root at {saved}, not "
+                                      f"{here} (a copy?); its other roots were recorded for that place: {need}")
+    dirs = [first]
+    for i, r in enumerate(manifest.root_paths[1:], start=1):
+        d = os.path.join(r, name)
+        if not os.path.isdir(d):
+            raise CheckpointNotFoundError(f"{first}: the checkpoint's root #{i} was {r} when it was saved and {d} "
+                                          f"is not there; {need}")
+        dirs.append(d)
+    return dirs
 
 
 def open(roots: Roots, *, config: IOConfig | None = None,  # noqa: A001 - fastpersist.open

@@ -23,7 +23,14 @@ from fastpersist.config import get_config
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
 from fastpersist.single_file import load, save
-from fastpersist.view import CheckpointInfo, list_checkpoints, load_object, load_state, tensor_infos
+from fastpersist.view import (
+    CheckpointInfo,
+    checkpoint_dirs,
+    list_checkpoints,
+    load_object,
+    load_state,
+    tensor_infos,
+)
 
 OK, PROBLEM, USAGE = 0, 1, 2
 
@@ -206,35 +213,10 @@ def _first_dir(checkpoint: str) -> str:
 
 
 def _dirs(checkpoint: str, roots: Sequence[str]) -> list[str]:
-    """The checkpoint's directory in each of its roots.
-
-    ``checkpoint`` is a step directory (``ROOT/step-00000100``) or a root (meaning its latest
-    commit). The other roots are ``roots`` (given with --root, in order) or, when none are given,
-    the paths the manifest recorded at save time (format version 3); a recorded root that is not
-    there any more is named, with the --root to pass.
-    """
-    first = _first_dir(checkpoint)
-    name = os.path.basename(first.rstrip(os.sep))
-    if roots:
-        return [first] + [os.path.join(os.path.abspath(r), name) for r in roots]
-    try:
-        manifest = catalog.read_manifest(first)
-    except CheckpointError:
-        return [first]  # the manifest's own problem is reported by the command
-    if manifest.roots <= 1:
-        return [first]
-    if not manifest.root_paths:
-        raise _PathError(f"{first}: the checkpoint is spread over {manifest.roots} roots and its manifest (format "
-                         f"version {manifest.version}) does not record where; pass the other "
-                         f"{manifest.roots - 1} with --root, in order")
-    dirs = [first]
-    for i, r in enumerate(manifest.root_paths[1:], start=1):
-        d = os.path.join(r, name)
-        if not os.path.isdir(d):
-            raise _PathError(f"{first}: the checkpoint's root #{i} was {r} when it was saved and {d} is not there; "
-                             f"pass every other root with --root, in order ({manifest.roots - 1} in all)")
-        dirs.append(d)
-    return dirs
+    """The checkpoint's directory in each of its roots: ``checkpoint`` is a step directory or a
+    root (its latest commit); the other roots are ``roots`` (--root, in order) or those the
+    manifest recorded (see :func:`fastpersist.view.checkpoint_dirs`)."""
+    return checkpoint_dirs(_first_dir(checkpoint), roots, option="--root")
 
 
 def _object_bytes(obj: mf.ObjectEntry) -> int:

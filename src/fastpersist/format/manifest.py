@@ -10,6 +10,9 @@ manifest, the object, the key and what is wrong.
 
 from __future__ import annotations
 
+import array
+import bisect
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -482,21 +485,42 @@ def _check_tiling(rd: _Reader, where: str, shape: tuple[int, ...], chunks: list[
         raise rd.fail(where, problem)
 
 
+# The chunks of one tensor, cut along every chunk boundary, form a grid of at most this many
+# cells (a DTensor layout gives about one cell per chunk).
+MAX_TILING_CELLS = 1 << 20
+
+
 def tiling_problem(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
     """What keeps ``boxes`` (offsets, sizes) from tiling a tensor of ``shape`` exactly: two that
-    overlap, or volumes that do not add up (with no overlap: a hole). Overlaps are looked for
-    among boxes whose first-dimension ranges meet."""
+    overlap, or volumes that do not add up (with no overlap: a hole).
+
+    The boxes are placed on the grid their boundaries cut the tensor into; each grid cell may be
+    covered once. The work is the number of cells, bounded by :data:`MAX_TILING_CELLS`.
+    """
     total = sum(_volume(n) for _, n in boxes)
-    if shape:
-        active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-        for o, n in sorted(boxes):
-            active = [(ao, an) for ao, an in active if ao[0] + an[0] > o[0]]
-            for ao, an in active:
-                if all(x < y + m and y < x + k for x, k, y, m in zip(o, n, ao, an)):
-                    return f"the chunks at {list(ao)} and {list(o)} overlap"
-            active.append((o, n))
-    elif len(boxes) > 1:
-        return f"a 0-dimensional tensor has {len(boxes)} chunks"
+    if not shape:
+        if len(boxes) > 1:
+            return f"a 0-dimensional tensor has {len(boxes)} chunks"
+    elif boxes:
+        cuts = [sorted({0, g} | {o[d] for o, _ in boxes} | {o[d] + n[d] for o, n in boxes})
+                for d, g in enumerate(shape)]
+        cells = 1
+        for c in cuts:
+            cells *= len(c) - 1
+            if cells > MAX_TILING_CELLS:
+                return (f"its {len(boxes)} chunks cut it into more than {MAX_TILING_CELLS} cells; a checkpoint's "
+                        "chunks form a grid")
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * (len(cuts[d + 1]) - 1)
+        owner = array.array("i", [-1]) * cells
+        for k, (o, n) in enumerate(boxes):
+            ranges = [range(bisect.bisect_left(c, o[d]), bisect.bisect_left(c, o[d] + n[d])) for d, c in enumerate(cuts)]
+            for index in itertools.product(*ranges):
+                cell = sum(i * st for i, st in zip(index, strides))
+                if owner[cell] >= 0:
+                    return f"the chunks at {list(boxes[owner[cell]][0])} and {list(o)} overlap"
+                owner[cell] = k
     if total != _volume(shape):
         return (f"the chunks hold {total} elements but the tensor has {_volume(shape)}: a part of the tensor "
                 "is missing")

@@ -91,3 +91,16 @@ def test_paths_of_the_wrong_kind_say_what_they_are(tmp_path):
         fp.open(str(f)).list()
     with pytest.raises(CheckpointError, match="afile: it is a file, not a checkpoint directory"):
         fp.load_checkpoint(str(f))
+
+
+def test_a_copied_checkpoint_is_not_read_from_the_original_roots(two_roots, tmp_path, capsys):
+    roots, _ = two_roots
+    backup = [str(tmp_path / "backup" / "r0"), str(tmp_path / "backup" / "r1")]
+    for a, b in zip(roots, backup):
+        shutil.copytree(a, b)
+    step = os.path.join(backup[1], "step-00000003")
+    os.remove(os.path.join(step, sorted(os.listdir(step))[0]))  # damage the copy only
+    capsys.readouterr()
+    assert main(["verify", backup[0]]) == 2
+    assert "a copy?" in capsys.readouterr().err
+    assert main(["verify", backup[0], "--root", backup[1]]) == 1

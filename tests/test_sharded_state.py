@@ -350,3 +350,100 @@ def _load_fresh(rank: int, world: int, roots: list[str]) -> dict:
 def test_load_into_a_fresh_optimizer(fsdp_saved):
     tmp, roots, full = fsdp_saved
     _same(run_ranks(tmp, 2, _load_fresh, roots)[0], full)
+
+
+# ---- odd inputs (a stranger's review)
+
+
+def _odd_cases(rank: int, world: int, base: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fastpersist.errors import ReplicaMismatchError, UnsaveableObjectError
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict = {}
+    torch.manual_seed(0)
+    # a lazily conjugated local tensor: its values, not its raw bytes, are saved
+    c = torch.randn(8, 6, dtype=torch.complex64)
+    dt = distribute_tensor(c, mesh, [Shard(0)])
+    from torch.distributed.tensor import DTensor
+
+    conj = DTensor.from_local(dt.to_local().conj(), mesh, [Shard(0)])
+    with Checkpointer([os.path.join(base, "conj")], mode="sync") as ck:
+        ck.save(1, {"c": conj})
+    out["conj"] = c.conj().resolve_conj()
+    # a Replicate() DTensor whose ranks hold different values: refused, not stitched together
+    bad = DTensor.from_local(torch.full((600, 600), float(rank)), mesh, [Replicate()])
+    with Checkpointer([os.path.join(base, "diverged")], mode="sync") as ck:
+        try:
+            ck.save(1, {"r": bad})
+            out["diverged"] = "saved"
+        except ReplicaMismatchError as e:
+            out["diverged"] = str(e)
+    # a storage shared by a DTensor's local tensor and the rank state, in snapshot mode
+    w = distribute_tensor(torch.arange(4000.0).reshape(40, 100), mesh, [Shard(0)])
+    with Checkpointer([os.path.join(base, "shared")], mode="snapshot") as ck:
+        ck.save(1, {"w": w}, rank_state={"w_local": w.to_local()}).result()
+    out["shared"] = torch.arange(4000.0).reshape(40, 100)
+    # DTensors inside a namedtuple: named
+    from collections import namedtuple
+
+    pair = namedtuple("pair", "a b")
+    with Checkpointer([os.path.join(base, "nt")], mode="sync") as ck:
+        try:
+            ck.save(1, {"p": pair(w, 1)})
+        except UnsaveableObjectError as e:
+            out["namedtuple"] = str(e)
+    return out
+
+
+def _into_parameter(rank: int, world: int, base: str) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.zeros(40, 100), mesh, [Shard(1)]))
+    fastpersist.open([os.path.join(base, "shared")]).load(1, into={"w": p})
+    return torch.equal(p.full_tensor(), torch.arange(4000.0).reshape(40, 100))
+
+
+def test_odd_inputs(tmp_path):
+    base = str(tmp_path)
+    out = run_ranks(tmp_path, 2, _odd_cases, base)[0]
+    got = fastpersist.open([os.path.join(base, "conj")]).load(1)["c"]
+    assert torch.equal(got, out["conj"])
+    assert "'r'" in out["diverged"] and "rank 1 and rank 0" in out["diverged"]
+    shared = fastpersist.open([os.path.join(base, "shared")]).load(1)
+    assert torch.equal(shared["w"], out["shared"])
+    assert "namedtuple" in out["namedtuple"]
+    # into a DTensor parameter (requires grad), resharded through the buffered path
+    assert run_ranks(tmp_path, 3, _into_parameter, base) == [True, True, True]
+
+
+def test_into_reads_only_its_keys(fsdp_saved):
+    _, roots, full = fsdp_saved
+    m = _model()
+    state = fastpersist.open(roots).load(7, into={"model": m})
+    assert state["optim"]["state"][0]["exp_avg"] is None  # not read: `into` did not ask for it
+    _same(_full({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")})
+
+
+def test_colliding_dotted_keys_are_refused(tmp_path):
+    roots = [str(tmp_path / "r")]
+    with Checkpointer(roots, mode="sync") as ck:
+        ck.save(1, {"a.b": torch.ones(2), "a": {"b": torch.full((2,), 2.0)}})
+    view = fastpersist.open(roots)
+    with pytest.raises(CheckpointReadError, match="'a.b' names 2 tensors"):
+        view.load(1, keys=["a.b"])
+    state = view.load(1)
+    assert torch.equal(state["a.b"], torch.ones(2)) and torch.equal(state["a"]["b"], torch.full((2,), 2.0))
+
+
+def test_a_tensor_in_into_of_another_dtype_is_refused(tmp_path):
+    roots = [str(tmp_path / "r")]
+    with Checkpointer(roots, mode="sync") as ck:
+        ck.save(1, {"x": torch.tensor([0.25, 0.75])})
+    dest = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(CheckpointReadError, match="float32.*int32"):
+        fastpersist.open(roots).load(1, into={"x": dest})

@@ -226,6 +226,8 @@ def remove_files(roots: Sequence[str], step: int, prefix: str, backend: FileBack
             if f.startswith(prefix) and f != mf.MANIFEST_NAME and (keep is None or (i, f) not in keep):
                 try:
                     backend.unlink(os.path.join(d, f))
+                except FileNotFoundError:
+                    pass  # another rank of the same node removed it first
                 except OSError as e:
                     logger.warning("could not remove %s: %s", os.path.join(d, f), e.strerror or e)
         if prune:

@@ -19,6 +19,7 @@ is read, so a mismatch loads nothing.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +88,7 @@ class _Part:
     direct: bool = False
     addr: int = 0  # where the range (direct) or the extents' first byte (buffered) lands
     buffer: torch.Tensor | None = None
+    flat_dest: int = 0  # a buffered byte range of a contiguous region: where byte ``lo`` goes (else 0)
 
 
 def _row_major(sizes: Sequence[int]) -> list[int]:
@@ -133,14 +135,40 @@ def plan_parts(targets: Sequence[Target], verify: bool) -> list[_Part]:
             last = sum((x + n - 1) * st for x, n, st in zip(local, sizes, cs))
             p = _Part(t, c, start, sizes, first * item, (last + 1) * item)
             p.extents = [x for x in c.extents if x.start < p.hi and x.start + x.nbytes > p.lo]
-            complete = p.extents[0].start == p.lo and p.extents[-1].start + p.extents[-1].nbytes == p.hi
-            p.direct = (dest_ok and _contiguous_in(sizes, c.sizes) and _contiguous_in(sizes, shape)
-                        and (complete or not verify))
-            if p.direct:
-                ds = _row_major(shape)
-                p.addr = t.dest.data_ptr() + sum((s - o) * st for s, o, st in zip(start, t.offsets, ds)) * item
-            parts.append(p)
+            if not (dest_ok and _contiguous_in(sizes, c.sizes) and _contiguous_in(sizes, shape)):
+                parts.append(p)  # buffered, copied out as a box
+                continue
+            ds = _row_major(shape)
+            region = t.dest.data_ptr() + sum((s - o) * st for s, o, st in zip(start, t.offsets, ds)) * item
+            parts += _contiguous_parts(p, region, verify)
     return parts
+
+
+def _contiguous_parts(p: _Part, region: int, verify: bool) -> list[_Part]:
+    """A region contiguous in the chunk and in the destination: the extents wholly inside it go
+    straight to the destination; a partial extent at either end (when verifying: it must be
+    read whole to be checked) goes through a buffer and its bytes in the region are copied."""
+    def sub(lo: int, hi: int, extents: list[mf.ExtentEntry], direct: bool) -> _Part:
+        q = _Part(p.target, p.chunk, p.start, p.sizes, lo, hi, extents, direct)
+        if direct:
+            q.addr = region + lo - p.lo
+        else:
+            q.flat_dest = region + lo - p.lo
+        return q
+
+    if not verify:
+        return [sub(p.lo, p.hi, p.extents, True)]
+    out = []
+    inner = [x for x in p.extents if x.start >= p.lo and x.start + x.nbytes <= p.hi]
+    head = [x for x in p.extents if x.start < p.lo]
+    tail = [x for x in p.extents if x.start + x.nbytes > p.hi and x not in head]
+    for x in head:
+        out.append(sub(p.lo, min(p.hi, x.start + x.nbytes), [x], False))
+    if inner:
+        out.append(sub(inner[0].start, inner[-1].start + inner[-1].nbytes, inner, True))
+    for x in tail:
+        out.append(sub(max(p.lo, x.start), p.hi, [x], False))
+    return out
 
 
 def _span(p: _Part, verify: bool) -> tuple[int, int]:
@@ -278,6 +306,10 @@ def _verify(path: str, parts: list[_Part], files: dict[int, DirectFile], threads
 def _copy_out(p: _Part, verify: bool) -> None:
     t, c = p.target, p.chunk
     if t.dest is None:
+        return
+    lo_span = _span(p, verify)[0]
+    if p.flat_dest:  # bytes of a contiguous region
+        ctypes.memmove(p.flat_dest, p.addr + (p.lo - lo_span), p.hi - p.lo)
         return
     dtype = t.dest.dtype
     item = t.entry.itemsize

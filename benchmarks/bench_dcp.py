@@ -182,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=tempfile.gettempdir())
     a = p.parse_args(argv)
     base = tempfile.mkdtemp(prefix="fp-bench-dcp-", dir=a.dir)
+    from fastpersist.cli.bench import device_probe
+
+    probe = os.path.join(base, "device.bin")
+    size = int(a.gib * (1 << 30)) // (1 << 20) * (1 << 20)
+    _, dev_write, how = device_probe(probe, "write", size)
+    _drop_caches()
+    _, dev_read, _ = device_probe(probe, "read", size)
+    os.remove(probe)
+    device = f"device ({how}, same run): write {dev_write:.2f} GB/s, read {dev_read:.2f} GB/s"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     args = {"gib": a.gib, "rounds": a.rounds, "threads": [int(t) for t in a.threads.split(",")], "base": base}
@@ -193,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     gb = nbytes / 1e9
     cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
     print(f"# Sharded state through DCP: {WORLD} gloo ranks, 2 roots on one disk, {nbytes / 2**30:.2f} GiB DTensor "
-          f"state (Shard(0)); {cores} cores; torch {torch.__version__}; {a.rounds} rounds, median [min-max]\n")
+          f"state (Shard(0)); {cores} cores; torch {torch.__version__}; {a.rounds} rounds, median [min-max]; "
+          f"{device}\n")
     print("| contender | save GB/s (durable) | blocked s | CPU s / GB | load GB/s | reshard-load GB/s |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():

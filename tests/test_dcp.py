@@ -101,7 +101,7 @@ def test_save_spreads_every_rank_over_every_root(saved):
     assert len(full) > 10  # model and optimizer state
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [4, 3, 2])
 def test_reshard_load_is_exact(saved, world):
     tmp, roots, full = saved
     _same(run_ranks(tmp, world, _load, roots)[0], full)

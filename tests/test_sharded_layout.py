@@ -113,3 +113,21 @@ def test_errors_name_the_tensor_key():
     doc["sharded"][0]["chunks"].pop()
     with pytest.raises(CorruptCheckpointError, match="sharded tensor 'model.w'"):
         _parse(doc)
+
+
+def test_plain_states_do_not_import_dtensor(tmp_path):
+    """torch.distributed.tensor costs most of a second to import: a state without DTensors
+    (so without that module loaded) never pays it, at save or load."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, fastpersist as fp\n"
+        f"c = fp.Checkpointer([{str(tmp_path / 'r')!r}], mode='sync')\n"
+        "c.save(1, {'w': torch.ones(3)}); c.close()\n"
+        f"fp.open([{str(tmp_path / 'r')!r}]).load(1)\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -18,6 +18,7 @@ At load, :func:`get_path` and :func:`put_paths` find and set values by key path.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,11 +75,10 @@ class Piece:
 
 
 def dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+    """torch's DTensor class, if its module is loaded: no DTensor exists before it is (its
+    import costs most of a second, which a state without DTensors should not pay)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def is_dtensor(value: object) -> bool:

@@ -202,7 +202,7 @@ def write_slots(prepared: Prepared, jobs: Sequence[tuple[Sequence[Extent], int, 
 
 # A sharded tensor's chunk is cut into extents of at most this many bytes: a load that needs
 # part of a chunk (resharding) reads and verifies whole extents, so they stay moderate.
-CHUNK_EXTENT_MAX = 32 << 20
+CHUNK_EXTENT_MAX = 8 << 20
 
 
 def write_chunks(name: str, tensors: Sequence[torch.Tensor], pieces: Sequence[tuple[int, int, int]],

@@ -159,8 +159,12 @@ def test_load_checkpoint_and_missing_roots(tmp_path):
     ck.save(7, _state(7)).wait()
     path = os.path.join(ck.roots[0], "step-00000007")
     assert _equal(load_checkpoint(path, [ck.roots[1]]), _state(7))
-    with pytest.raises(fp.CheckpointReadError, match="only 1 roots were given"):
+    # without other_roots: the roots the manifest recorded, while they are where they were saved
+    assert _equal(load_checkpoint(path), _state(7))
+    os.rename(ck.roots[1], ck.roots[1] + "-moved")
+    with pytest.raises(fp.CheckpointNotFoundError, match="root #1 was .* and .* is not there"):
         load_checkpoint(path)
+    assert _equal(load_checkpoint(path, [ck.roots[1] + "-moved"]), _state(7))
     assert [i.step for i in list_checkpoints(ck.roots[0])] == [7]
 
 

@@ -497,6 +497,7 @@ def test_failed_directory_removal_in_retention_does_not_fail_the_save(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         ck.save(1, replicated(1, SMALL))
         ck.save(2, replicated(2, SMALL))  # committed: the cleanup failure is only logged
+        ck.wait()  # retention deletes in the background: wait() waits for it
     assert any("could not remove" in r.message for r in caplog.records)
     assert ck.latest_step() == 2 and [i.step for i in ck.list() if i.committed] == [2]
     assert_state_equal(ck.load(), replicated(2, SMALL))

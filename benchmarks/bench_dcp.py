@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from fastpersist.cli.bench import drop_caches
+
 WORLD = 4
 
 
@@ -62,15 +64,6 @@ def _zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
 
 def _nbytes(sd: dict[str, Any]) -> int:
     return sum(v.numel() * v.element_size() for v in sd.values())
-
-
-def _drop_caches() -> None:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
 
 
 def _clear(paths: list[str]) -> None:
@@ -139,19 +132,19 @@ def _worker(rank: int, world: int, init: str, args: dict[str, Any], out: Any) ->
                 ck = checkpointers[name]
                 wall, blocked, cpu = _timed(lambda: ck.save(r, sd))
                 if rank == 0:
-                    _drop_caches()
+                    drop_caches()
                 lwall = _timed(lambda: ck.load(r, into=same))[0]
                 if rank == 0:
-                    _drop_caches()
+                    drop_caches()
                 rwall = _timed(lambda: ck.load(r, into=resharded))[0]
             else:
                 save, reader = contenders[name]
                 wall, blocked, cpu = _timed(save)
                 if rank == 0:
-                    _drop_caches()
+                    drop_caches()
                 lwall = _timed(lambda: dcp.load(same, storage_reader=reader(0)))[0]
                 if rank == 0:
-                    _drop_caches()
+                    drop_caches()
                 rwall = _timed(lambda: dcp.load(resharded, storage_reader=reader(0)))[0]
             cpus: list[Any] = [None] * world
             dist.all_gather_object(cpus, cpu)
@@ -182,15 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=tempfile.gettempdir())
     a = p.parse_args(argv)
     base = tempfile.mkdtemp(prefix="fp-bench-dcp-", dir=a.dir)
-    from fastpersist.cli.bench import device_probe
+    from fastpersist.cli.bench import device_summary
 
-    probe = os.path.join(base, "device.bin")
-    size = int(a.gib * (1 << 30)) // (1 << 20) * (1 << 20)
-    _, dev_write, how = device_probe(probe, "write", size)
-    _drop_caches()
-    _, dev_read, _ = device_probe(probe, "read", size)
-    os.remove(probe)
-    device = f"device ({how}, same run): write {dev_write:.2f} GB/s, read {dev_read:.2f} GB/s"
+    device = device_summary(base, int(a.gib * (1 << 30)))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     args = {"gib": a.gib, "rounds": a.rounds, "threads": [int(t) for t in a.threads.split(",")], "base": base}

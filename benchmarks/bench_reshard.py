@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from fastpersist.cli.bench import drop_caches
+
 SAVE_WORLD = 4
 COLS = 1024
 
@@ -37,15 +39,6 @@ def _rows(gib: float) -> list[int]:
     total = int(gib * (1 << 30)) // 4 // COLS
     rows = [total // 2, total // 4, total // 8, total // 8]
     return [r - r % 96 for r in rows]  # divisible by 2, 3 and 4 ranks x 8
-
-
-def _drop_caches() -> None:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
 
 
 def _state(rows: list[int], world: int, dim: int, fill: bool) -> dict[str, Any]:
@@ -73,7 +66,7 @@ def _ranks(rank: int, world: int, base: str, job: str, rows: list[int], dim: int
     else:
         into = _state(rows, world, dim, False)
         if rank == 0:
-            _drop_caches()
+            drop_caches()
         dist.barrier()
         t0 = time.perf_counter()
         fp.open(roots).load(0, into=into)
@@ -86,7 +79,7 @@ def _ranks(rank: int, world: int, base: str, job: str, rows: list[int], dim: int
 def _whole(base: str, out: Any) -> None:
     import fastpersist as fp
 
-    _drop_caches()
+    drop_caches()
     t0 = time.perf_counter()
     fp.open([os.path.join(base, "root0"), os.path.join(base, "root1")]).load(0)
     out.put(time.perf_counter() - t0)
@@ -99,15 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=tempfile.gettempdir())
     a = p.parse_args(argv)
     base = tempfile.mkdtemp(prefix="fp-bench-reshard-", dir=a.dir)
-    from fastpersist.cli.bench import device_probe
+    from fastpersist.cli.bench import device_summary
 
-    probe = os.path.join(base, "device.bin")
-    size = int(a.gib * (1 << 30)) // (1 << 20) * (1 << 20)
-    _, dev_write, how = device_probe(probe, "write", size)
-    _drop_caches()
-    _, dev_read, _ = device_probe(probe, "read", size)
-    os.remove(probe)
-    device = f"device ({how}, same run): write {dev_write:.2f} GB/s, read {dev_read:.2f} GB/s"
+    device = device_summary(base, int(a.gib * (1 << 30)))
     rows = _rows(a.gib)
     nbytes = sum(rows) * COLS * 4
     ctx = mp.get_context("spawn")

@@ -235,3 +235,48 @@ def file_names(paths: Sequence[str]) -> list[str]:
         for d, _, files in os.walk(p):
             out += [os.path.relpath(os.path.join(d, f), p) for f in files]
     return sorted(out)
+
+
+# ---- sharded state (FSDP2 on a CPU mesh) ------------------------------------------------------
+
+
+def small_mlp() -> Any:
+    """A small model whose layer sizes do not divide evenly by 3 or 4 ranks."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(48, 130), torch.nn.ReLU(), torch.nn.Linear(130, 37))
+
+
+def fsdp_mlp(world: int) -> tuple[Any, Any]:
+    """``small_mlp`` sharded with FSDP2 ``fully_shard`` over a 1-D CPU mesh of ``world`` ranks
+    (inside a process group), and an AdamW over it."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    m = small_mlp()
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def gathered(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Every value of a nested state by dotted key, tensors (DTensors gathered whole) cloned."""
+    import torch
+
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(gathered(v, f"{prefix}{k}."))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(gathered(v, f"{prefix}{i}."))
+    elif isinstance(obj, torch.Tensor):
+        out[prefix[:-1]] = (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
+    else:
+        out[prefix[:-1]] = obj
+    return out

@@ -10,46 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import run_ranks
+from helpers import fsdp_mlp, gathered, run_ranks, small_mlp
 
 from fastpersist.dcp import Reader, Writer
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(48, 130), torch.nn.ReLU(), torch.nn.Linear(130, 37))
-
-
-def _sharded(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    m = _model()
-    for layer in m:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
-
-
-def _full(sd: dict) -> dict:
-    """Every tensor of a (nested) state dict, gathered whole."""
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in _full(v).items()})
-        elif isinstance(v, torch.Tensor):
-            out[k] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-        else:
-            out[k] = v
-    return out
 
 
 def _save(rank: int, world: int, roots: list[str], asynchronous: bool) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    m, opt = _sharded(world)
+    m, opt = fsdp_mlp(world)
     torch.manual_seed(1 + rank)
     m(torch.randn(8, 48)).sum().backward()
     opt.step()
@@ -59,19 +28,19 @@ def _save(rank: int, world: int, roots: list[str], asynchronous: bool) -> dict:
         dcp.async_save(sd, storage_writer=Writer(roots)).result()
     else:
         dcp.save(sd, storage_writer=Writer(roots))
-    return _full(sd)
+    return gathered(sd)
 
 
 def _load(rank: int, world: int, roots: list[str]) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    m, opt = _sharded(world)
+    m, opt = fsdp_mlp(world)
     msd, osd = get_state_dict(m, opt)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, storage_reader=Reader(roots))
     set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     msd, osd = get_state_dict(m, opt)
-    return _full({"model": msd, "optim": osd})
+    return gathered({"model": msd, "optim": osd})
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +79,7 @@ def test_reshard_load_is_exact(saved, world):
 def test_load_at_world_size_one_without_a_process_group(saved):
     _, roots, full = saved
     assert not dist.is_initialized()
-    m = _model()
+    m = small_mlp()
     sd = {"model": {k: torch.zeros_like(v) for k, v in m.state_dict().items()}}
     dcp.load(sd, storage_reader=Reader(roots))
     for k, v in sd["model"].items():

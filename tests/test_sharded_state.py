@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_ranks
+from helpers import fsdp_mlp, gathered, run_ranks, small_mlp
 
 import fastpersist
 from fastpersist import Checkpointer
@@ -20,40 +20,6 @@ from fastpersist.errors import CheckpointError, CheckpointReadError, CorruptChec
 from fastpersist.format import manifest as mf
 
 D_IN, D_HID, D_OUT = 48, 130, 37
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(D_IN, D_HID), torch.nn.ReLU(), torch.nn.Linear(D_HID, D_OUT))
-
-
-def _fsdp(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    m = _model()
-    for layer in m:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
-
-
-def _full(obj, prefix=""):
-    """Every tensor of a nested state, gathered whole, by dotted key."""
-    out = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_full(v, f"{prefix}{k}."))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(_full(v, f"{prefix}{i}."))
-    elif isinstance(obj, torch.Tensor):
-        out[prefix[:-1]] = (obj.full_tensor() if hasattr(obj, "full_tensor") else obj).detach().clone()
-    else:
-        out[prefix[:-1]] = obj
-    return out
 
 
 def _same(a: dict, b: dict) -> None:
@@ -67,7 +33,7 @@ def _same(a: dict, b: dict) -> None:
 
 
 def _trained(world: int):
-    m, opt = _fsdp(world)
+    m, opt = fsdp_mlp(world)
     torch.manual_seed(1 + dist.get_rank())
     m(torch.randn(8, D_IN)).sum().backward()
     opt.step()
@@ -78,7 +44,7 @@ def _save_fsdp(rank: int, world: int, roots: list[str]) -> dict:
     m, opt = _trained(world)
     with Checkpointer(roots, mode="snapshot") as ckpt:
         ckpt.save(7, {"model": m, "optim": opt, "step": 7})
-    return _full({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
+    return gathered({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
 
 
 def _load_fsdp(rank: int, world: int, roots: list[str]) -> dict:
@@ -88,7 +54,7 @@ def _load_fsdp(rank: int, world: int, roots: list[str]) -> dict:
     ckpt = Checkpointer(roots)
     ckpt.load(7, into={"model": m, "optim": opt})
     ckpt.close()
-    return _full({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
+    return gathered({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +96,14 @@ def test_load_at_world_size_one_without_a_process_group(fsdp_saved):
     _, roots, full = fsdp_saved
     assert not dist.is_initialized()
     state = fastpersist.open(roots).load(7)
-    _same(_full(state), full)
+    _same(gathered(state), full)
     # into a plain model: filled in place
-    m = _model()
+    m = small_mlp()
     with torch.no_grad():
         for p in m.parameters():
             p.fill_(3.0)
     fastpersist.open(roots).load(7, into={"model": m})
-    _same(_full({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")})
+    _same(gathered({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")})
 
 
 def test_keys_reads_only_those_tensors(fsdp_saved):
@@ -162,7 +128,7 @@ def test_convert_writes_full_tensors_for_torch_load(fsdp_saved, tmp_path):
 
     out = str(tmp_path / "full.pt")
     assert main(["convert", os.path.join(roots[0], "step-00000007"), out, "--root", roots[1]]) == 0
-    _same(_full(torch.load(out, weights_only=True)), full)
+    _same(gathered(torch.load(out, weights_only=True)), full)
 
 
 # ---- a 2x2 mesh (Replicate, Shard(0)): the replicated shard written once, split over its holders
@@ -315,7 +281,7 @@ def _save_overlap(rank: int, world: int, roots: list[str]) -> dict:
     m, opt = _trained(world)
     ckpt = Checkpointer(roots, mode="overlap")
     ckpt.protect(opt)
-    saved = _full({"model": m.state_dict(), "optim": opt.state_dict()})
+    saved = gathered({"model": m.state_dict(), "optim": opt.state_dict()})
     handle = ckpt.save(1, {"model": m, "optim": opt})
     for _ in range(3):  # the next iterations; their optimizer steps wait for the shards to be written
         m(torch.randn(8, D_IN)).sum().backward()
@@ -330,7 +296,7 @@ def test_overlap_mode_saves_the_state_at_save_time(tmp_path):
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     out = run_ranks(tmp_path, 2, _save_overlap, roots)
     state = fastpersist.open(roots).load(1)
-    _same(_full(state), out[0]["saved"])
+    _same(gathered(state), out[0]["saved"])
     # the parameters' and optimizer moments' shards were not copied: written from live memory
     params = sum(v.nbytes for k, v in out[0]["saved"].items() if k.startswith("model.")) // 2
     assert out[0]["copied"] < params
@@ -340,11 +306,11 @@ def _load_fresh(rank: int, world: int, roots: list[str]) -> dict:
     """A fresh optimizer has no state to fill: torch's get_optimizer_state_dict creates it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    m, opt = _fsdp(world)
+    m, opt = fsdp_mlp(world)
     get_optimizer_state_dict(m, opt)
     assert opt.state, "the optimizer should have state now"
     fastpersist.open(roots).load(7, into={"model": m, "optim": opt})
-    return _full({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
+    return gathered({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7})
 
 
 def test_load_into_a_fresh_optimizer(fsdp_saved):
@@ -423,10 +389,10 @@ def test_odd_inputs(tmp_path):
 
 def test_into_reads_only_its_keys(fsdp_saved):
     _, roots, full = fsdp_saved
-    m = _model()
+    m = small_mlp()
     state = fastpersist.open(roots).load(7, into={"model": m})
     assert state["optim"]["state"][0]["exp_avg"] is None  # not read: `into` did not ask for it
-    _same(_full({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")})
+    _same(gathered({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")})
 
 
 def test_colliding_dotted_keys_are_refused(tmp_path):

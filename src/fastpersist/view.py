@@ -372,17 +372,9 @@ def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping
     """Read one object of a checkpoint; every failure is a :class:`CheckpointError`."""
     do_verify = config.verify if verify is None else verify
     where = dirs[0]
-    try:
-        obj = sharded.read_object(dirs, manifest, name, map_location=map_location, weights_only=weights_only,
-                                  verify=do_verify, config=config, backend=backend)
-    except CheckpointError:
-        raise
-    except OSError as e:
-        raise CheckpointReadError(f"{where}: cannot read checkpoint step {manifest.step}: "
-                                  f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from e
-    except Exception as e:  # torch's loader: a map_location it cannot honour, a damaged pickle...
-        raise CheckpointReadError(f"{where}: cannot rebuild object {name!r} of checkpoint step {manifest.step}: "
-                                  f"{type(e).__name__}: {e}") from e
+    obj = _wrap(where, manifest, f"rebuild object {name!r}", lambda: sharded.read_object(
+        dirs, manifest, name, map_location=map_location, weights_only=weights_only, verify=do_verify, config=config,
+        backend=backend))
     if into is not None:
         restore_into(obj, into, where)
     return obj

@@ -211,6 +211,21 @@ def _raw_probe(path: str, rw: str, size: int, direct: bool = True) -> tuple[Samp
     return s, total / s.seconds / GB
 
 
+def device_summary(directory: str, nbytes: int) -> str:
+    """One line for a benchmark's header: the device's O_DIRECT write and (cold) read of about
+    ``nbytes`` in ``directory``, measured now (every speed here is a ratio to the same run)."""
+    probe = os.path.join(directory, "device.bin")
+    size = max(MiB, nbytes // MiB * MiB)
+    try:
+        _, write, how = device_probe(probe, "write", size)
+        drop_caches()
+        _, read, _ = device_probe(probe, "read", size)
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    return f"device ({how}, same run): write {write:.2f} GB/s, read {read:.2f} GB/s"
+
+
 def device_probe(path: str, rw: str, size: int) -> tuple[Sample, float, str]:
     """The device's sequential O_DIRECT write or read of ``size`` bytes (a multiple of 4 KiB).
 

@@ -23,7 +23,11 @@ def test_kill_and_resume_is_exact(tmp_path) -> None:
     run_dir.mkdir(), ref_dir.mkdir()
     run_child(CHILD, [str(run_dir), str(KILL)], killed=True)
     listed = {c.step: c.committed for c in fp.list_checkpoints(str(run_dir / "ckpt"))}
-    assert listed == {KILL - 2: True, KILL - 1: True, KILL: False}  # killed while writing step KILL
+    assert listed[KILL] is False  # killed while writing step KILL
+    assert {s for s, c in listed.items() if c} == {KILL - 2, KILL - 1}
+    # retention deletes in the background (manifest first): a kill may land while it removes an
+    # older step's files, which then stays, uncommitted, until the next start cleans it
+    assert all(not c and s < KILL - 2 for s, c in listed.items() if s not in (KILL - 2, KILL - 1, KILL))
     run_child(CHILD, [str(run_dir), "0", str(ref_dir)])  # resume, then the uninterrupted run
     (reference,) = read_losses(str(ref_dir))
     killed, resumed = read_losses(str(run_dir))

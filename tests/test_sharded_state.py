@@ -413,3 +413,42 @@ def test_a_tensor_in_into_of_another_dtype_is_refused(tmp_path):
     dest = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(CheckpointReadError, match="float32.*int32"):
         fastpersist.open(roots).load(1, into={"x": dest})
+
+
+def _save_recording(rank: int, world: int, roots: list[str]) -> list[tuple[str, str]]:
+    """Save a DTensor state through a backend that records file creations, directory fsyncs and
+    the "after-data" point (the data is declared durable there)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fastpersist.io.backend import FileBackend
+
+    class Recording(FileBackend):
+        seen: list[tuple[str, str]] = []
+
+        def before_open(self, root, path):
+            self.seen.append(("open", path))
+
+        def fsync_dir(self, path):
+            self.seen.append(("fsync_dir", path))
+            super().fsync_dir(path)
+
+        def event(self, point):
+            self.seen.append(("event", point))
+
+    mesh = init_device_mesh("cpu", (world,))
+    backend = Recording()
+    with Checkpointer(roots, mode="sync", backend=backend) as ck:
+        ck.save(1, {"w": distribute_tensor(torch.arange(8192.0).reshape(64, 128), mesh, [Shard(0)])})
+    return backend.seen
+
+
+def test_shard_files_are_durable_before_the_data_is_declared_written(tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    seen = run_ranks(tmp_path, 2, _save_recording, roots)[0]
+    after = seen.index(("event", "after-data"))
+    shards = [i for i, (what, path) in enumerate(seen) if what == "open" and f"-{mf.SHARDED}-" in path]
+    assert shards and max(shards) < after
+    for i in shards:  # each shard file's directory is fsync'd after the file is created, before after-data
+        d = os.path.dirname(seen[i][1])
+        assert any(what == "fsync_dir" and path == d for what, path in seen[i + 1:after]), seen[i]

@@ -31,6 +31,7 @@ fails the save on every rank, naming the first differing tensor (``check_replica
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -40,7 +41,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -316,8 +316,8 @@ class Checkpointer:
         saveable = to_saveable(state)
         own = to_saveable(rank_state) if rank_state is not None else None
         shards: list[dtensor.LocalShard] = []
-        if dtensor.holds_dtensors(saveable):
-            saveable, shards = dtensor.split(saveable)
+        if dtensor.dtensor_type() is not None:  # no DTensor exists before its module is loaded
+            saveable, shards = dtensor.split(saveable)  # the state itself where it holds none
         if own is not None and dtensor.holds_dtensors(own):
             raise ValueError("rank_state holds DTensors: pass sharded state (DTensors) in `state`; fastpersist "
                              "writes each rank's shards and reshards them at load")
@@ -557,23 +557,28 @@ class Checkpointer:
 
     def _write(self, name: str, save_id: str, job: _Job, rep: sharded.Prepared, own: sharded.Prepared | None,
                extents: list[Extent], slots: list[tuple[int, int]], layout: dtensor.Layout) -> _Written:
-        hashing = ReplicaDigests(rep) if self.check_replicated and self.comm.world_size > 1 else None
+        check = self.check_replicated and self.comm.world_size > 1
+        hashing = ReplicaDigests(rep) if check else None
+        # replicated shards are hashed beside the writes too (xxhash releases the GIL)
+        chunk_hashing = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-hash") if check else None
         try:
-            written = self._write_files(name, save_id, rep, own, extents, slots)
-            written.reports += self._write_shards(name, save_id, job.shards or [], layout)
-            if hashing is not None:
-                written.chunk_digests = self._chunk_digests(job.shards or [], layout)
-            if hashing is not None:
+            chunks = chunk_hashing.submit(self._chunk_digests, job.shards or [], layout) if chunk_hashing else None
+            written = self._write_files(name, save_id, rep, own, extents, slots, job.shards or [], layout)
+            if hashing is not None and chunks is not None:
                 written.digests = hashing.result()
+                written.chunk_digests = chunks.result()
                 job.handle.metrics.replica_check_s = hashing.seconds
             return written
         finally:
             if hashing is not None:
                 hashing.join()
+            if chunk_hashing is not None:
+                chunk_hashing.shutdown(wait=True)
             job.handle._set_staged()  # live tensors are no longer read (written, or failed)
 
     def _write_files(self, name: str, save_id: str, rep: sharded.Prepared, own: sharded.Prepared | None,
-                     extents: list[Extent], slots: list[tuple[int, int]]) -> _Written:
+                     extents: list[Extent], slots: list[tuple[int, int]], shards: list[dtensor.LocalShard],
+                     layout: dtensor.Layout) -> _Written:
         cfg = self.config
         dirs = [os.path.join(root, name) for root in self.roots]
         for d in dirs:
@@ -602,6 +607,7 @@ class Checkpointer:
             path = os.path.join(dirs[0], f"{save_id}-{own.name}.skel")
             reports.append(sharded.write_skeleton(own, 0, path, self.backend))
             objects[own.name] = (own.keys, own.sizes, own.tensors)
+        reports += self._write_shards(name, save_id, shards, layout)
         for d in dirs:  # the new files' directory entries are durable too
             self.backend.fsync_dir(d)
         self.backend.event("after-data")

@@ -131,28 +131,29 @@ def split(obj: Any, path: Path = ()) -> tuple[Any, list[LocalShard]]:
     return out, shards
 
 
-def _split(obj: Any, path: Path, shards: list[LocalShard]) -> Any:
+def _split(obj: Any, path: tuple[Any, ...], shards: list[LocalShard]) -> Any:
+    """One walk: ``path`` holds the raw keys, checked only where a DTensor is found."""
     if isinstance(obj, torch.Tensor):
         if is_dtensor(obj):
             if not path:
                 raise UnsaveableObjectError("the state itself is a DTensor: put it in a dict")
-            shards.append(chunk_of(obj, path))
+            shards.append(chunk_of(obj, _key_path(path)))
             return None
         return obj
     if isinstance(obj, Mapping):
         found = len(shards)
-        items = [(k, _split(v, path + (_part(k, path),), shards) if _holds_dtensor(v) else v) for k, v in obj.items()]
+        items = [(k, _split(v, path + (k,), shards)) for k, v in obj.items()]
         if len(shards) == found:
             return obj
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         if _holds_dtensor(tuple(obj)):
-            raise UnsaveableObjectError(f"state[{mf.key_name(path)!r}] is a {type(obj).__name__} (a namedtuple) "
-                                        "holding DTensors: put sharded tensors in dicts, lists or tuples")
+            raise UnsaveableObjectError(f"state[{mf.key_name(_key_path(path))!r}] is a {type(obj).__name__} (a "
+                                        "namedtuple) holding DTensors: put sharded tensors in dicts, lists or tuples")
         return obj
     if isinstance(obj, (list, tuple)):
         found = len(shards)
-        values = [_split(v, path + (i,), shards) if _holds_dtensor(v) else v for i, v in enumerate(obj)]
+        values = [_split(v, path + (i,), shards) for i, v in enumerate(obj)]
         if len(shards) == found:
             return obj
         return tuple(values) if isinstance(obj, tuple) else values
@@ -169,11 +170,14 @@ def _holds_dtensor(obj: Any) -> bool:
     return False
 
 
-def _part(key: object, path: Path) -> str | int:
-    if isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool)):
-        return key
-    raise UnsaveableObjectError(f"state[{mf.key_name(path)!r}] holds DTensors under a key of type "
-                                f"{type(key).__name__} ({key!r}): sharded tensors need str or int keys")
+def _key_path(raw: tuple[Any, ...]) -> Path:
+    """The key path of a DTensor: every key a str or an int (they are stored in JSON)."""
+    for i, key in enumerate(raw):
+        if not (isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool))):
+            raise UnsaveableObjectError(
+                f"state[{mf.key_name(tuple(map(str, raw[:i])))!r}] holds DTensors under a key of type "
+                f"{type(key).__name__} ({key!r}): sharded tensors need str or int keys")
+    return raw
 
 
 def holds_dtensors(obj: Any) -> bool:

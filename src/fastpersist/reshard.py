@@ -20,22 +20,18 @@ is read, so a mismatch loads nothing.
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
 from fastpersist.config import IOConfig
-from fastpersist.errors import ChecksumMismatchError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
-from fastpersist.io.buffers import ALIGN, align_up, memory_view
+from fastpersist.io.buffers import ALIGN, align_up
 from fastpersist.io.files import DirectFile
 from fastpersist.io.reader import ReadFailedError, ReadRequest, allocate
-from fastpersist.sharded import _read_files, open_file
+from fastpersist.sharded import _read_files, check_in_memory, open_file
 
 # Buffered intersections read at once (a larger single one is read alone).
 BUFFER_BYTES = 256 << 20
@@ -269,7 +265,7 @@ def _run(path: str, parts: list[_Part], files: dict[int, DirectFile], cached_fil
     _read_files(files, by_file, config)
     _read_files({f: cached_file(f) for f in by_cached}, by_cached, config)
     if verify:
-        _verify(path, parts, files, config.reader_threads)
+        _verify(parts, files, config.reader_threads)
     for p in parts:
         if not p.direct:
             _copy_out(p, verify)
@@ -277,30 +273,14 @@ def _run(path: str, parts: list[_Part], files: dict[int, DirectFile], cached_fil
     return sum(_span(p, verify)[1] - _span(p, verify)[0] for p in parts)
 
 
-def _verify(path: str, parts: list[_Part], files: dict[int, DirectFile], threads: int) -> None:
-    work = []
-    for p in parts:
-        lo = p.lo if p.direct else _span(p, True)[0]
-        for x in p.extents:
-            work.append((p, x, p.addr + x.start - lo))
-    bad: list[str] = []
-    lock = threading.Lock()
+def _verify(parts: list[_Part], files: dict[int, DirectFile], threads: int) -> None:
+    def describe(p: _Part, x: mf.ExtentEntry) -> Callable[[int], str]:
+        return lambda got: (f"{files[x.file].path}: sharded tensor {p.target.entry.key!r} chunk at "
+                            f"{list(p.chunk.offsets)} bytes {x.start}..{x.start + x.nbytes} (file offset {x.offset}) "
+                            f"fail their checksum (stored {x.checksum:016x}, read {got:016x})")
 
-    def check(item: tuple[_Part, mf.ExtentEntry, int]) -> None:
-        p, x, addr = item
-        got = xxhash.xxh3_64_intdigest(memory_view(addr, x.nbytes))
-        if got != x.checksum:
-            with lock:
-                bad.append(f"{files[x.file].path}: sharded tensor {p.target.entry.key!r} chunk at "
-                           f"{list(p.chunk.offsets)} bytes {x.start}..{x.start + x.nbytes} (file offset {x.offset}) "
-                           f"fail their checksum (stored {x.checksum:016x}, read {got:016x})")
-
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastpersist-verify") as ex:
-        list(ex.map(check, work))
-    if bad:
-        bad.sort()
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise ChecksumMismatchError(f"{bad[0]}{more}; the checkpoint is corrupt")
+    check_in_memory([(p.addr + x.start - (p.lo if p.direct else _span(p, True)[0]), x, describe(p, x))
+                     for p in parts for x in p.extents], threads)
 
 
 def _copy_out(p: _Part, verify: bool) -> None:

@@ -504,21 +504,29 @@ def _read_files(files: dict[int, DirectFile], by_file: dict[int, list[ReadReques
 
 def _verify(dirs: Sequence[str], manifest: mf.Manifest, name: str, entry: mf.ObjectEntry,
             bases: Sequence[int], addr: int, threads: int) -> None:
-    work = [(s, e, base) for s, base in zip(entry.storages, bases) for e in s.extents]
-    work.sort(key=lambda w: -w[1].nbytes)
+    def describe(s: mf.StorageEntry, e: mf.ExtentEntry) -> Callable[[int], str]:
+        return lambda got: extent_problem(dirs, manifest, name, s, e, got) or ""
+
+    check_in_memory([(addr + base + e.start, e, describe(s, e)) for s, base in zip(entry.storages, bases)
+                     for e in s.extents], threads)
+
+
+def check_in_memory(work: Sequence[tuple[int, mf.ExtentEntry, Callable[[int], str]]], threads: int) -> None:
+    """Hash every extent where it was read to (address, extent, message for a digest that does
+    not match), largest first, in ``threads`` threads; raise one ChecksumMismatchError naming
+    the first problem (by message) and how many more there are."""
     bad: list[str] = []
     lock = threading.Lock()
 
-    def check(item: tuple[mf.StorageEntry, mf.ExtentEntry, int]) -> None:
-        s, e, base = item
-        problem = extent_problem(dirs, manifest, name, s, e,
-                                 xxhash.xxh3_64_intdigest(memory_view(addr + base + e.start, e.nbytes)))
-        if problem:
+    def check(item: tuple[int, mf.ExtentEntry, Callable[[int], str]]) -> None:
+        at, e, message = item
+        got = xxhash.xxh3_64_intdigest(memory_view(at, e.nbytes))
+        if got != e.checksum:
             with lock:
-                bad.append(problem)
+                bad.append(message(got))
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastpersist-verify") as ex:
-        list(ex.map(check, work))
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastpersist-verify") as ex:
+        list(ex.map(check, sorted(work, key=lambda w: -w[1].nbytes)))
     if bad:
         bad.sort()
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""

@@ -254,7 +254,7 @@ def place_sharded(dirs: list[str], manifest: mf.Manifest, obj: Any, into: Mappin
 
     dests = to_saveable(into) if into is not None else None
     targets: list[reshard.Target] = []
-    in_place = False
+    values: dict[tuple[str | int, ...], Any] = {}  # destinations filled in place: themselves
     for e in manifest.sharded:
         if into is not None and e.path[0] not in into:
             continue
@@ -271,28 +271,24 @@ def place_sharded(dirs: list[str], manifest: mf.Manifest, obj: Any, into: Mappin
                                           f"whose local tensor holds {len(chunks)} chunks; it cannot be filled")
             local = dtensor.local(t)  # type: ignore[arg-type]
             targets.append(reshard.Target(e, local, tuple(int(x) for x in chunks[0].offsets)))
-            in_place = True
+            values[e.path] = t
         elif isinstance(t, torch.Tensor) and t.device.type == "cpu":
             targets.append(reshard.Target(e, t, (0,) * len(e.shape)))
-            in_place = True
+            values[e.path] = t
         else:
             targets.append(reshard.Target(e))  # the whole tensor, allocated once the files are checked
     try:
         reshard.read_sharded(dirs, manifest, targets, verify=verify, config=config, backend=backend)
     except CheckpointError as err:
-        if in_place:
+        if values:
             raise type(err)(f"{err}; the tensors of `into` that were being filled may be partly overwritten: "
                             "load them again (from this or another checkpoint)") from err
         raise
-    values: dict[tuple[str | int, ...], Any] = {}
-    for target in targets:
-        t = dtensor.get_path(dests, target.entry.path) if dests is not None else None
-        if isinstance(t, torch.Tensor):  # filled in place: the destination itself
-            values[target.entry.path] = t
-        else:
-            full = target.dest
+    for target in targets:  # the whole tensors built here
+        full = target.dest
+        if target.entry.path not in values and full is not None:
             values[target.entry.path] = full.to(map_location) if isinstance(map_location, (str, torch.device)) \
-                and full is not None else full
+                else full
     return dtensor.put_paths(obj, values, dirs[0])
 
 

@@ -30,6 +30,8 @@ from fastpersist.errors import (
 
 if TYPE_CHECKING:
     from fastpersist.checkpointer import Checkpointer
+    from fastpersist.dist import Comm, GlooComm, LocalComm
+    from fastpersist.io.backend import FileBackend
     from fastpersist.handle import SaveHandle, SaveMetrics
     from fastpersist.single_file import load, save
     from fastpersist.state import RNGState
@@ -40,6 +42,11 @@ __version__ = "0.1.0"
 # The names that need torch, and the module each comes from.
 _LAZY = {
     "Checkpointer": "fastpersist.checkpointer",
+    # extension points: the file seam and the coordination seam (as DCP exports its own)
+    "FileBackend": "fastpersist.io.backend",
+    "Comm": "fastpersist.dist",
+    "GlooComm": "fastpersist.dist",
+    "LocalComm": "fastpersist.dist",
     "SaveHandle": "fastpersist.handle",
     "SaveMetrics": "fastpersist.handle",
     "load": "fastpersist.single_file",
@@ -71,6 +78,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointView",
     "CheckpointerClosedError",
+    "Comm",
     "CheckpointNotFoundError",
     "CheckpointReadError",
     "CheckpointWriteError",
@@ -78,7 +86,10 @@ __all__ = [
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "DistributedCheckpointError",
+    "FileBackend",
+    "GlooComm",
     "IOConfig",
+    "LocalComm",
     "RNGState",
     "ReplicaMismatchError",
     "SaveHandle",

@@ -7,8 +7,9 @@ written last (temporary name, fsync, rename, directory fsync). A directory witho
 is an incomplete save (in progress, or left by a crash) and is never listed as loadable.
 
 ``latest`` is a small text file naming the newest committed checkpoint's directory, replaced
-atomically after each commit. Readers trust it only if it names a committed checkpoint, and
-otherwise fall back to the highest committed step, so a crash between the manifest's rename and
+atomically after each commit. Readers trust it only if it names a committed checkpoint whose
+manifest is the newest; otherwise the most recent commit by its sequence is latest (not the
+highest step: see :mod:`fastpersist.timeline`), so a crash between the manifest's rename and
 the pointer's update loses nothing.
 """
 
@@ -56,10 +57,13 @@ class Entry:
     committed: bool
 
 
-def scan(root: str) -> list[Entry]:
+_REAL_FILES = FileBackend()  # readers that were given no backend use real files
+
+
+def scan(root: str, backend: FileBackend | None = None) -> list[Entry]:
     """Every checkpoint directory in ``root``, by step."""
     try:
-        names = os.listdir(root)
+        names = (backend or _REAL_FILES).listdir(root)
     except FileNotFoundError:
         return []
     except NotADirectoryError as e:
@@ -94,7 +98,7 @@ def read_manifest(step_path: str, backend: FileBackend | None = None) -> mf.Mani
     if os.path.lexists(step_path) and not os.path.isdir(step_path):
         raise CheckpointNotFoundError(f"no checkpoint at {step_path}: it is a file, not a checkpoint directory")
     try:
-        raw = (backend or FileBackend()).read_small(path, mf.MAX_MANIFEST_BYTES, "manifest")
+        raw = (backend or _REAL_FILES).read_small(path, mf.MAX_MANIFEST_BYTES, "manifest")
     except CheckpointNotFoundError as e:
         if os.path.isdir(step_path):
             raise CheckpointNotFoundError(
@@ -112,15 +116,16 @@ def _manifest_mtime(step_path: str) -> int | None:
         return None
 
 
-def commits(root: str, entries: Sequence[Entry] | None = None) -> list[timeline.Commit]:
+def commits(root: str, entries: Sequence[Entry] | None = None, *,
+            backend: FileBackend | None = None) -> list[timeline.Commit]:
     """The committed checkpoints among ``entries`` (default: all in ``root``), with their
     commit order; damaged manifests are skipped with a warning."""
     out = []
-    for e in entries if entries is not None else scan(root):
+    for e in entries if entries is not None else scan(root, backend):
         if not e.committed:
             continue
         try:
-            m = read_manifest(e.path)
+            m = read_manifest(e.path, backend)
         except CheckpointError as err:
             logger.warning("%s", err)
             continue
@@ -128,11 +133,11 @@ def commits(root: str, entries: Sequence[Entry] | None = None) -> list[timeline.
     return out
 
 
-def _read_hint(root: str) -> int | None:
+def _read_hint(root: str, backend: FileBackend | None) -> int | None:
     """The step the ``latest`` pointer names, if it is a small regular file naming one."""
     path = os.path.join(root, LATEST)
     try:
-        raw = FileBackend().read_small(path, MAX_LATEST_BYTES, "latest pointer")
+        raw = (backend or _REAL_FILES).read_small(path, MAX_LATEST_BYTES, "latest pointer")
         return parse_step_dir(raw.decode("ascii").strip())
     except CheckpointNotFoundError:
         return None
@@ -141,7 +146,7 @@ def _read_hint(root: str) -> int | None:
         return None
 
 
-def read_latest(root: str) -> int | None:
+def read_latest(root: str, backend: FileBackend | None = None) -> int | None:
     """The most recently committed step (not the largest: see :mod:`fastpersist.timeline`).
 
     ``latest`` names it after every commit; a crash between a commit and the pointer's update
@@ -150,8 +155,8 @@ def read_latest(root: str) -> int | None:
     manifests decide by their commit sequence. The pointer is read without blocking and only
     if it is a small regular file; a checkpoint counts only if its manifest is a regular file.
     """
-    found = scan(root)  # first: a root that is a file is named as such
-    hint = _read_hint(root)
+    found = scan(root, backend)  # first: a root that is a file is named as such
+    hint = _read_hint(root, backend)
     entries = [e for e in found if e.committed and _is_regular(os.path.join(e.path, mf.MANIFEST_NAME))]
     by_step = {e.step: e for e in entries}
     if hint is not None and hint in by_step:
@@ -160,7 +165,22 @@ def read_latest(root: str) -> int | None:
         if not newer:
             return hint
         entries = newer + [by_step[hint]]
-    return timeline.latest(commits(root, entries))
+    return timeline.latest(commits(root, entries, backend=backend))
+
+
+def point_latest(root: str, step: int, backend: FileBackend) -> None:
+    """Point ``latest`` at ``step``, just committed. A failure is logged, never raised: the
+    commit stands, and readers find the most recent commit by its sequence."""
+    try:
+        write_atomic(root, LATEST, f"{step_dir(step)}\n".encode(), backend)
+        backend.event("after-latest")
+    except OSError as e:
+        latest = os.path.join(root, LATEST)
+        logger.warning("checkpoint step %d is committed but %s could not be updated: %s", step, latest, e)
+        try:  # a stale pointer must not win a tie of manifest times: remove it (best effort)
+            backend.unlink(latest)
+        except OSError:
+            pass
 
 
 def write_atomic(directory: str, name: str, data: bytes, backend: FileBackend, events: bool = False) -> None:
@@ -249,7 +269,7 @@ def clean_incomplete(roots: Sequence[str], backend: FileBackend) -> list[str]:
     def warn(path: str, e: OSError) -> None:
         logger.warning("could not remove %s: %s", path, e.strerror or e)
 
-    committed = {e.step for e in scan(roots[0]) if e.committed}
+    committed = {e.step for e in scan(roots[0], backend) if e.committed}
     for root in roots:
         try:
             names = backend.listdir(root)

@@ -40,9 +40,7 @@ import logging
 import os
 import pickle
 import secrets
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,10 +70,11 @@ from fastpersist.errors import (
     CorruptCheckpointError,
 )
 from fastpersist.io.backend import FileBackend
-from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, memory_view, shared_pool
+from fastpersist.io.buffers import ALIGN, BufferPool, align_up, aligned_empty, memory_view
 from fastpersist.io.reader import ReadRequest, read_into
 from fastpersist.io.writer import Piece
-from fastpersist.sharded import lane_config, place, write_new_file
+from fastpersist.objects.read import buffer_areas, merge_spans
+from fastpersist.objects.write import files_at_once, place, write_new_file
 from fastpersist.view import root_list
 
 logger = logging.getLogger(__name__)
@@ -176,19 +175,13 @@ class Writer(StorageWriter):
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _RankPrefix) else f"__{_rank()}_"
         cfg = self._config or get_config()
         buckets = _balance(plan.items, len(self.dirs))
-        results: list[WriteResult] = []
-        lock = threading.Lock()
-
-        def one(k: int) -> None:
-            name = f"{prefix}{k}-{self.save_id}{_SUFFIX}"
-            got = self._write_file(k, name, buckets[k], planner, cfg, len(self.dirs))
-            with lock:
-                results.extend(got)
-
         jobs = [k for k in range(len(self.dirs)) if buckets[k]]
-        with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="fastpersist-dcp") as ex:
-            for f in [ex.submit(one, k) for k in jobs]:
-                f.result()
+
+        def one(lane: int, lane_cfg: IOConfig, pool: BufferPool) -> list[WriteResult]:
+            k = jobs[lane]
+            return self._write_file(k, f"{prefix}{k}-{self.save_id}{_SUFFIX}", buckets[k], planner, lane_cfg, pool)
+
+        results = [r for got in files_at_once(len(jobs), cfg, one) for r in got] if jobs else []
         for d in self.dirs:  # the new files' directory entries are durable too
             self.backend.fsync_dir(d)
         fut: Future[list[WriteResult]] = Future()
@@ -196,7 +189,7 @@ class Writer(StorageWriter):
         return fut
 
     def _write_file(self, k: int, name: str, items: list[WriteItem], planner: SavePlanner, cfg: IOConfig,
-                    lanes: int) -> list[WriteResult]:
+                    pool: BufferPool) -> list[WriteResult]:
         path = os.path.join(self.dirs[k], name)
         pieces: list[Piece] = []
         placed: list[tuple[WriteItem, int, int, str | None, tuple[int, ...] | None]] = []
@@ -216,9 +209,7 @@ class Writer(StorageWriter):
                 pieces.append(Piece(pos, n, tensor=data, tag=i))
             placed.append((item, pos, n, dtype, shape))
             pos += n
-        lane = lane_config(cfg, lanes)
-        pool = shared_pool(lane.chunk_bytes, lane.num_buffers, lane=k)
-        digests = write_new_file(path, pieces, pos, k, self.backend, lane, pool)
+        digests = write_new_file(path, pieces, pos, k, self.backend, cfg, pool)
         out = []
         for i, (item, offset, n, dtype, shape) in enumerate(placed):
             digest = digests.get(i, xxhash.xxh3_64_intdigest(b"")) if n else xxhash.xxh3_64_intdigest(b"")
@@ -256,18 +247,6 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
-
-
-def _merge_spans(spans: list[tuple[int, int]], gap: int = 64 * 1024) -> list[tuple[int, int]]:
-    """Sorted (offset, length) spans, those closer than ``gap`` merged (one request reads them)."""
-    out: list[tuple[int, int]] = []
-    for offset, n in spans:
-        if out and offset - (out[-1][0] + out[-1][1]) <= gap:
-            start = out[-1][0]
-            out[-1] = (start, max(out[-1][0] + out[-1][1], offset + n) - start)
-        else:
-            out.append((offset, n))
-    return out
 
 
 def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -398,14 +377,9 @@ class Reader(StorageReader):
     def _read_file(self, path: str, items: list[ReadItem], planner: LoadPlanner, cfg: IOConfig,
                    verify: bool) -> None:
         locs = [self._location(i) for i in items]
-        spans = _merge_spans(sorted({(loc.offset, loc.length) for loc in locs}))
+        spans = [(start, n) for start, n, _ in merge_spans(sorted({(loc.offset, loc.length) for loc in locs}))]
         end = max(o + n for o, n in spans)
-        bases: list[int] = []  # where each span starts in the buffer: same 4 KiB phase as in the file
-        pos = 0
-        for offset, n in spans:
-            base = align_up(pos) + offset % ALIGN
-            bases.append(base)
-            pos = base + n
+        bases, pos = buffer_areas(spans)
         # Reading a slice of an item (resharding) means other ranks of this node likely read the
         # rest of the same bytes: buffered reads let them share the page cache, where O_DIRECT
         # would read the bytes from the disk once per rank (measured: reshard-load 0.23 GB/s).

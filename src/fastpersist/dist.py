@@ -14,7 +14,10 @@ is left waiting in a collective that the others skipped.
 
 from __future__ import annotations
 
+import collections
 import datetime
+import logging
+import pickle
 import socket
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,6 +26,8 @@ from typing import Any, Protocol, TypeVar
 from fastpersist.errors import CheckpointError, CheckpointWriteError, DistributedCheckpointError
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class Comm(Protocol):
@@ -48,7 +53,21 @@ class LocalComm:
 
 
 class GlooComm:
-    """Collectives on a gloo group of its own, beside whatever group the training uses."""
+    """Collectives on gloo groups of its own, beside whatever group the training uses.
+
+    A gloo group must not outlive the interpreter, nor hand gloo tensors that Python forgets
+    first. Gloo's worker threads drop their references to a collective's tensors *after* the
+    caller has returned from it; if that drop is the last reference, it frees a Python object
+    and so takes the GIL, and if the interpreter is finalizing by then the thread is unwound
+    through a ``noexcept`` frame and the process aborts (SIGABRT, "terminate called without an
+    active exception"), although everything was saved. So every tensor this comm gives gloo
+    stays referenced from Python for the next few collectives, and :meth:`close` destroys the
+    groups (joining their threads, which then never need the GIL) before letting them go. The
+    Checkpointer that created a comm closes it in ``close()``, when it is collected, and at
+    interpreter exit while the interpreter is whole.
+    """
+
+    _KEEP = 8  # collectives whose tensors stay referenced (gloo has released them long before)
 
     def __init__(self, timeout_s: float = 600.0) -> None:
         import torch.distributed as dist
@@ -60,20 +79,56 @@ class GlooComm:
         timeout = datetime.timedelta(seconds=timeout_s)
         # Two groups: the background save thread and the training thread each have their own,
         # so their collectives can never interleave.
-        self.groups = {"work": dist.new_group(backend="gloo", timeout=timeout),
-                       "control": dist.new_group(backend="gloo", timeout=timeout)}
-        self.group = self.groups["work"]
+        self._groups: dict[str, Any] = {"work": dist.new_group(backend="gloo", timeout=timeout),
+                                        "control": dist.new_group(backend="gloo", timeout=timeout)}
+        self._kept: dict[str, collections.deque[tuple[Any, ...]]] = {
+            c: collections.deque(maxlen=self._KEEP) for c in self._groups}
 
     def all_gather(self, obj: Any, channel: str = "work") -> list[Any]:
-        out: list[Any] = [None] * self.world_size
+        group = self._groups.get(channel)
+        if group is None:
+            raise CheckpointError(f"checkpoint coordination on rank {self.rank} after its process groups were "
+                                  "closed (the Checkpointer is closed)")
         try:
-            self._dist.all_gather_object(out, obj, group=self.groups[channel])
+            return self._all_gather(obj, group, self._kept[channel])
         except RuntimeError as e:  # gloo reports a dead or silent peer as a RuntimeError
             raise CheckpointError(
                 f"checkpoint coordination failed on rank {self.rank}: another rank died or did not answer "
                 f"within {self.timeout_s:.0f} s (gloo: {str(e).splitlines()[0][:300]})"
             ) from e
-        return out
+
+    def _all_gather(self, obj: Any, group: Any, kept: collections.deque[tuple[Any, ...]]) -> list[Any]:
+        """``all_gather_object`` with tensors this comm keeps referenced (see the class)."""
+        import torch
+
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        kept.append((size, sizes))
+        self._dist.all_gather(sizes, size, group=group)
+        longest = max(int(n.item()) for n in sizes)
+        mine = torch.zeros(max(1, longest), dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        kept.append((mine, gathered))
+        self._dist.all_gather(gathered, mine, group=group)
+        return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes)]
+
+    def close(self) -> None:
+        """Destroy this comm's groups, joining their threads, then drop the tensors gloo had
+        (idempotent; no collective). Works whether or not the training's process groups were
+        destroyed first."""
+        groups, self._groups = self._groups, {}
+        while groups:
+            _, group = groups.popitem()
+            try:
+                if self._dist.is_initialized():
+                    self._dist.destroy_process_group(group)
+            except (RuntimeError, ValueError) as e:  # already destroyed with the default group
+                logger.debug("fastpersist's process group was already destroyed: %s", e)
+            del group  # the last reference: the group's threads are joined here
+        self._kept.clear()
 
 
 def default_comm(timeout_s: float = 600.0) -> Comm:

@@ -59,7 +59,7 @@ class SaveHandle:
         self.metrics = metrics
         self.staged: cf.Future[None] = cf.Future()  # training may modify the saved tensors
         self._committed: cf.Future[SaveMetrics] = cf.Future()
-        self.reported = False  # the error was raised to the caller once already
+        self._reported = False  # the error was raised to the caller once already
 
     @property
     def step(self) -> int:
@@ -76,7 +76,7 @@ class SaveHandle:
         except cf.TimeoutError:
             raise TimeoutError(f"checkpoint step {self.step} is not committed after {timeout} s") from None
         except BaseException:
-            self.reported = True
+            self._reported = True
             raise
 
     wait = result
@@ -103,32 +103,53 @@ class SaveHandle:
 
         self._committed.add_done_callback(call)
 
-    # called by the Checkpointer
-    def _set_staged(self) -> None:
-        if not self.staged.done():
-            self.staged.set_result(None)
+    @property
+    def reported(self) -> bool:
+        """Whether this checkpoint's error was raised to the caller already."""
+        return self._reported
 
-    def _finish(self, error: BaseException | None = None) -> None:
+
+class Completion:
+    """The save driver's side of a :class:`SaveHandle`: the only code that completes it.
+
+    A handle's readers (training, callbacks, tests) can wait on it but never complete it; the
+    job that owns the handle holds its Completion and marks the two moments, staged and done.
+    """
+
+    def __init__(self, handle: SaveHandle) -> None:
+        self.handle = handle
+
+    def staged(self) -> None:
+        """Training may modify the saved tensors again (idempotent)."""
+        if not self.handle.staged.done():
+            self.handle.staged.set_result(None)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """The checkpoint is committed (``error`` None), failed or skipped. Anything that is
+        not a :class:`CheckpointError` is wrapped in one naming the step."""
+        handle = self.handle
         if error is not None and not isinstance(error, CheckpointError):
-            wrapped = CheckpointError(f"checkpoint step {self.step} failed: {type(error).__name__}: {error}")
+            wrapped = CheckpointError(f"checkpoint step {handle.step} failed: {type(error).__name__}: {error}")
             wrapped.__cause__ = error
             error = wrapped
-        self._set_staged()
+        self.staged()
         if error is None:
-            self._committed.set_result(self.metrics)
+            handle._committed.set_result(handle.metrics)
         else:
-            self._committed.set_exception(error)
-
-    def _wait_done(self, timeout: float | None = None) -> bool:
-        try:
-            self._committed.exception(timeout)
-        except cf.TimeoutError:
-            return False
-        return True
+            handle._committed.set_exception(error)
 
     @property
-    def _error(self) -> BaseException | None:
-        return self._committed.exception() if self._committed.done() else None
+    def error(self) -> BaseException | None:
+        """The checkpoint's error once it is done (None if it committed or is not done)."""
+        committed = self.handle._committed
+        return committed.exception() if committed.done() else None
+
+    def take_error(self) -> BaseException | None:
+        """The error, marked as raised to the caller: None if there is none or it was raised."""
+        if self.handle._reported:
+            return None
+        self.handle._reported = True
+        return self.error
 
 
 class History:

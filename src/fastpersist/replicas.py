@@ -20,7 +20,7 @@ import xxhash
 from fastpersist.errors import ReplicaMismatchError
 from fastpersist.format import torchzip
 from fastpersist.io.buffers import memory_view
-from fastpersist.sharded import Prepared
+from fastpersist.objects.write import Prepared
 
 _DEVICE_CHUNK = 64 << 20  # device storages are hashed through host copies of this size
 

@@ -31,7 +31,8 @@ from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, align_up
 from fastpersist.io.files import DirectFile
 from fastpersist.io.reader import ReadFailedError, ReadRequest, allocate
-from fastpersist.sharded import _read_files, check_in_memory, open_file
+from fastpersist.objects.files import check_in_memory, open_file
+from fastpersist.objects.read import read_files
 
 # Buffered intersections read at once (a larger single one is read alone).
 BUFFER_BYTES = 256 << 20
@@ -262,8 +263,8 @@ def _run(path: str, parts: list[_Part], files: dict[int, DirectFile], cached_fil
             p.addr = buf.data_ptr() + phase
         for f, r in _requests(p, verify):
             (by_file if p.direct else by_cached).setdefault(f, []).append(r)
-    _read_files(files, by_file, config)
-    _read_files({f: cached_file(f) for f in by_cached}, by_cached, config)
+    read_files(files, by_file, config)
+    read_files({f: cached_file(f) for f in by_cached}, by_cached, config)
     if verify:
         _verify(parts, files, config.reader_threads)
     for p in parts:

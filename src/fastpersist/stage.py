@@ -20,16 +20,26 @@ own side stream, without queueing behind training's newer work.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastpersist import dtensor
 from fastpersist.errors import CheckpointError
+from fastpersist.format import manifest as mf
 from fastpersist.format import torchzip
 from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, ready_events
+from fastpersist.objects.write import prepare
+
+if TYPE_CHECKING:
+    from fastpersist.job import SaveJob
+
+logger = logging.getLogger(__name__)
 
 
 class Arena:
@@ -196,3 +206,108 @@ class Capture:
         for stream in self.streams.values():  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
             stream.synchronize()
         ready_events.mark(self.live_seen)  # guarded device storages: the save point, for the writer
+
+
+class OverlapGuard:
+    """Overlap mode's guard: protected optimizers' tensors are written from live memory, and
+    ``optimizer.step()`` waits (through a step pre-hook) until every in-flight checkpoint that
+    reads them has written them. ``in_flight`` lists the jobs not yet finished; ``after_wait``
+    raises a background failure not yet raised."""
+
+    def __init__(self, in_flight: Callable[[], list[SaveJob]], after_wait: Callable[[], None]) -> None:
+        self._in_flight = in_flight
+        self._after_wait = after_wait
+        self._protected: list[torch.optim.Optimizer] = []
+        self._hooks: list[Any] = []
+
+    def protect(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer in self._protected:
+            return
+        self._protected.append(optimizer)
+        self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def storages(self) -> set[int]:
+        """The storages of the protected optimizers' parameters and state (their local shards)."""
+        tensors = []
+        for opt in self._protected:
+            for group in opt.param_groups:
+                tensors += [dtensor.local(p) for p in group["params"] if isinstance(p, torch.Tensor)]
+            for st in opt.state.values():
+                tensors += [dtensor.local(v) for v in st.values() if isinstance(v, torch.Tensor)]
+        return guarded_storages(tensors)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for job in [j for j in self._in_flight() if j.live]:
+            t0 = time.perf_counter()
+            job.handle.staged.result()
+            job.metrics.step_wait_s += time.perf_counter() - t0
+        self._after_wait()
+
+    def remove(self) -> None:
+        """Remove the step hooks (close())."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._protected.clear()
+
+
+class Stager:
+    """Makes a job independent of training from ``save()`` on, except for guarded tensors.
+
+    Plain states (containers, tensors, immutable values) are captured structurally and pickled
+    in the background; anything else is pickled at once. Unguarded storages are copied into the
+    arena; :meth:`stage` returns False when they do not fit (the save then runs inline, from
+    live memory, through the fixed staging pool).
+    """
+
+    def __init__(self, budget: int, rank: int) -> None:
+        self.arena = Arena(budget)
+        self.rank = rank
+
+    def stage(self, job: SaveJob, live: set[int]) -> bool:
+        objs = [job.state] + ([job.rank_state] if job.rank_state is not None else [])
+        scans = [scan(o) for o in objs]
+        local = [sh.tensor for sh in job.shards]
+        shard_storages = scan(local)[1]
+        if not all(is_plain for is_plain, _ in scans):
+            rep = prepare(mf.REPLICATED, job.state)
+            own = prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
+            job.prepared = (rep, own)
+            storages = rep.storages + (own.storages if own else []) + shard_storages
+        else:
+            storages = [s for _, found in scans for s in found] + shard_storages
+        need = copy_bytes(storages, live)
+        if not self.arena.fits(need):
+            logger.info("checkpoint step %d needs %.1f MiB of snapshot memory, over the budget of %.1f MiB: "
+                        "writing it from live memory, save() waits for its commit", job.step, need / 2**20,
+                        self.arena.budget / 2**20)
+            return False
+        arena = self.arena.take(need) if need else None
+        job.uses_arena = arena is not None
+        try:
+            # one capture for the whole job: a storage shared by the state, the rank state and
+            # the shards is copied once (the arena was sized for each storage once)
+            cap = Capture(live, arena)
+            if job.prepared is not None:
+                for prepared in job.prepared:
+                    if prepared is not None:
+                        prepared.storages[:] = [cap.storage(st) for st in prepared.storages]
+            else:
+                job.state = cap(job.state)
+                if job.rank_state is not None:
+                    job.rank_state = cap(job.rank_state)
+            for sh, t in zip(job.shards, [cap(t) for t in local]):
+                sh.tensor = t
+            cap.finish()
+        except BaseException:
+            self.release(job)
+            raise
+        job.live = bool(live)
+        job.metrics.bytes_copied = cap.copied
+        return True
+
+    def release(self, job: SaveJob) -> None:
+        """Give the job's arena back (idempotent)."""
+        if job.uses_arena:
+            job.uses_arena = False
+            self.arena.give_back()

@@ -9,13 +9,17 @@ while (or after) a job writes there. The :class:`~fastpersist.Checkpointer` read
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastpersist import catalog, dtensor, reshard, sharded, timeline
+from fastpersist import catalog, dtensor, reshard, timeline
+from fastpersist.objects import read as objread
+from fastpersist.objects import verify as objverify
+from fastpersist.objects.files import check_unverified
 from fastpersist.config import IOConfig, get_config
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from fastpersist.format import manifest as mf
@@ -110,7 +114,23 @@ class CheckpointView:
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every checkpoint in the first root, committed or not, by step."""
-        return list_checkpoints(self.roots[0])
+        root = self.roots[0]
+        out: builtins.list[CheckpointInfo] = []
+        manifests: dict[int, mf.Manifest] = {}
+        for e in catalog.scan(root, self.backend):
+            try:
+                if e.committed:
+                    manifests[e.step] = catalog.read_manifest(e.path, self.backend)
+            except CheckpointError as err:
+                logger.warning("%s", err)
+            m = manifests.get(e.step)
+            out.append(CheckpointInfo(e.step, e.path, m is not None) if m is None else
+                       CheckpointInfo(e.step, e.path, True, False, m.nbytes, len(m.files), m.created, m.world_size,
+                                      tuple(sorted(m.objects)), False, m.sequence))
+        dead = timeline.abandoned_steps([timeline.Commit(s, m.sequence, m.created) for s, m in manifests.items()])
+        latest = catalog.read_latest(root, self.backend)
+        return [dataclasses.replace(i, latest=i.step == latest, abandoned=i.step in dead) if i.committed else i
+                for i in out]
 
     def manifest(self, step: int | str = "latest") -> mf.Manifest:
         s = _resolve(self.roots[0], step)
@@ -185,13 +205,13 @@ class CheckpointView:
                            self.backend)
 
     def verify(self, step: int | str = "latest", *,
-               progress: Callable[[int], None] | None = None) -> builtins.list[sharded.Problem]:
+               progress: Callable[[int], None] | None = None) -> builtins.list[objverify.Problem]:
         """Read every byte of ``step`` and check every checksum; the problems found (empty: OK).
 
         ``progress``, if given, is called with the byte count of each piece of data hashed.
         """
         dirs, manifest = self._dirs(step)
-        return sharded.verify(dirs, manifest, backend=self.backend, progress=progress)[0]
+        return objverify.verify(dirs, manifest, backend=self.backend, progress=progress)[0]
 
 
 @dataclass(frozen=True)
@@ -303,7 +323,7 @@ def load_tensors(dirs: list[str], manifest: mf.Manifest, keys: list[str], map_lo
                                   f"{manifest.version}, before tensors were indexed by key: load it whole")
     do_verify = config.verify if verify is None else verify
     if do_verify:
-        sharded.check_unverified(dirs, manifest)
+        check_unverified(dirs, manifest)
     replicated = manifest.objects[mf.REPLICATED]
     index: dict[str, list[mf.TensorEntry | mf.ShardedEntry]] = {}
     entries: list[mf.TensorEntry | mf.ShardedEntry] = [*replicated.tensors, *manifest.sharded]
@@ -368,7 +388,7 @@ def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping
     """Read one object of a checkpoint; every failure is a :class:`CheckpointError`."""
     do_verify = config.verify if verify is None else verify
     where = dirs[0]
-    obj = _wrap(where, manifest, f"rebuild object {name!r}", lambda: sharded.read_object(
+    obj = _wrap(where, manifest, f"rebuild object {name!r}", lambda: objread.read_object(
         dirs, manifest, name, map_location=map_location, weights_only=weights_only, verify=do_verify, config=config,
         backend=backend))
     if into is not None:
@@ -377,40 +397,17 @@ def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """The checkpoints under ``root`` (the first root of a Checkpointer), by step."""
-    root = os.path.abspath(os.fspath(root))
-    out: list[CheckpointInfo] = []
-    manifests: dict[int, mf.Manifest] = {}
-    for e in catalog.scan(root):
-        if not e.committed:
-            out.append(CheckpointInfo(e.step, e.path, False))
-            continue
-        try:
-            manifests[e.step] = catalog.read_manifest(e.path)
-        except CheckpointError as err:
-            logger.warning("%s", err)
-            out.append(CheckpointInfo(e.step, e.path, False))
-            continue
-        out.append(CheckpointInfo(e.step, e.path, True))
-    commits = [timeline.Commit(s, m.sequence, m.created) for s, m in manifests.items()]
-    dead = timeline.abandoned_steps(commits)
-    latest = catalog.read_latest(root)
-    result = []
-    for info in out:
-        m = manifests.get(info.step)
-        if m is None:
-            result.append(info)
-            continue
-        result.append(CheckpointInfo(info.step, info.path, True, info.step == latest, m.nbytes, len(m.files),
-                                     m.created, m.world_size, tuple(sorted(m.objects)), info.step in dead,
-                                     m.sequence))
-    return result
+    """The checkpoints under ``root`` (the first root of a Checkpointer), by step: a thin alias
+    of ``fastpersist.open(root).list()``."""
+    return open(root).list()
 
 
 def load_checkpoint(path: str | os.PathLike[str], other_roots: Sequence[str | os.PathLike[str]] = (), *,
                     rank: int | None = None, map_location: Any = None, weights_only: bool = True,
                     verify: bool | None = None, config: IOConfig | None = None) -> Any:
-    """Load a checkpoint from its directory in the first root, without a Checkpointer.
+    """Load a checkpoint from its directory in the first root, without a Checkpointer: a thin
+    alias of ``fastpersist.open(roots).load(step)`` for when the checkpoint's directory is what
+    you have (``fastpersist.open`` is the way to list, load and verify).
 
     ``other_roots`` are the checkpoint's other roots, in order (their directory of the same
     name is used); without them, the roots the manifest recorded at save time are used when the

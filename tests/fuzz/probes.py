@@ -9,7 +9,8 @@ import os
 from typing import Any
 
 import fastpersist as fp
-from fastpersist import catalog, sharded
+from fastpersist import catalog
+from fastpersist.objects.verify import verify
 from fastpersist.cli.checkpoints import verify_main
 from fuzz.build import equal, reference_state
 
@@ -38,7 +39,7 @@ def verify_sharded(roots: list[str], step: str = "step-00000001") -> list[str]:
         manifest = catalog.read_manifest(dirs[0])
     except fp.CheckpointError as e:
         return [f"manifest: {e}"]
-    problems, _ = sharded.verify(dirs, manifest)
+    problems, _ = verify(dirs, manifest)
     return [str(p) for p in problems]
 
 

@@ -16,7 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fastpersist import catalog, sharded
+from fastpersist import catalog
+from fastpersist.objects.verify import Problem, verify
 from fastpersist.cli._progress import Progress, ProgressBackend, wanted
 from fastpersist.cli._units import rate, size
 from fastpersist.config import get_config
@@ -285,7 +286,7 @@ def _verify(args: argparse.Namespace) -> int:
     return OK if result["ok"] else PROBLEM
 
 
-def _result(path: str, kind: str, step: int | None, checked: int, problems: list[sharded.Problem],
+def _result(path: str, kind: str, step: int | None, checked: int, problems: list[Problem],
             seconds: float) -> dict[str, Any]:
     return {"path": os.path.abspath(path), "kind": kind, "step": step, "ok": not problems,
             "bytes_verified": checked, "seconds": round(seconds, 3),
@@ -301,7 +302,7 @@ def _verify_file(path: str, show: bool) -> dict[str, Any]:
         raise _PathError(f"{path}: permission denied")
     nbytes = os.path.getsize(path)
     start = time.perf_counter()
-    problems: list[sharded.Problem] = []
+    problems: list[Problem] = []
     with Progress(nbytes, "verify", enabled=show) as bar:
         try:
             load(path, map_location="cpu", verify=True, progress=bar)
@@ -310,7 +311,7 @@ def _verify_file(path: str, show: bool) -> dict[str, Any]:
         except CheckpointError as e:
             message = str(e)
             message = message[len(path):].lstrip(": ") if message.startswith(path) else message
-            problems.append(sharded.Problem(path, "file", None, message))
+            problems.append(Problem(path, "file", None, message))
     return _result(path, "file", None, 0 if problems else nbytes, problems, time.perf_counter() - start)
 
 
@@ -326,17 +327,17 @@ def _verify_directory(checkpoint: str, roots: list[str], show: bool) -> dict[str
         raise
     except CheckpointError as e:  # a manifest that is there but damaged: a problem found
         return _result(checkpoint, "directory", None, 0,
-                       [sharded.Problem(os.path.join(dirs[0], "manifest.json"), "manifest", None, str(e))],
+                       [Problem(os.path.join(dirs[0], "manifest.json"), "manifest", None, str(e))],
                        time.perf_counter() - start)
     total = sum(_object_bytes(o) for o in manifest.objects.values()) + sum(t.nbytes for t in manifest.sharded)
     with Progress(total, "verify", enabled=show) as bar:
-        problems, checked = sharded.verify(dirs, manifest, progress=bar)
+        problems, checked = verify(dirs, manifest, progress=bar)
     return _result(checkpoint, "directory", manifest.step, checked, problems, time.perf_counter() - start)
 
 
 def _print_verdict(r: dict[str, Any]) -> None:
     for p in r["problems"]:
-        print(f"FAILED {sharded.Problem(p['path'], p['what'], p['offset'], p['message'])}")
+        print(f"FAILED {Problem(p['path'], p['what'], p['offset'], p['message'])}")
     what = f"step {r['step']}" if r["step"] is not None else r["path"]
     if r["problems"]:
         print(f"{len(r['problems'])} problem(s) in {what} ({r['path']})")

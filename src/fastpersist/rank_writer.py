@@ -1,0 +1,127 @@
+"""Step 2 of the save protocol on one rank: write this rank's files.
+
+Every writer rank writes its slots of the replicated state (one file per root, all at once),
+every rank its own ``rank_state`` and its pieces of the DTensor chunks; every file is fsync'd,
+then the directories. What it wrote is reported to the coordinator in a
+:class:`~fastpersist.protocol.RankReport`. When the ranks check replication, the replicated
+bytes (and the replicated DTensor chunks) are hashed in threads beside the writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from fastpersist import dtensor
+from fastpersist.config import IOConfig
+from fastpersist.errors import CheckpointWriteError
+from fastpersist.format import manifest as mf
+from fastpersist.io.backend import FileBackend
+from fastpersist.job import SaveJob
+from fastpersist.objects.write import FileReport, write_chunks, write_skeleton, write_slots
+from fastpersist.plan import Extent, plan
+from fastpersist.protocol import RankReport, SavePlan
+from fastpersist.replicas import ReplicaDigests, tensor_digest
+
+
+class RankWriter:
+    """Writes one rank's part of a checkpoint under ``roots``."""
+
+    def __init__(self, rank: int, roots: Sequence[str], backend: FileBackend, config: Callable[[], IOConfig],
+                 hash_replicas: bool) -> None:
+        self.rank = rank
+        self.roots = list(roots)
+        self.backend = backend
+        self._config = config
+        self.hash_replicas = hash_replicas
+
+    def write(self, job: SaveJob, p: SavePlan) -> RankReport:
+        """Write everything this rank owns of ``job``; the job is staged once the live
+        tensors are no longer read (written, or the write failed)."""
+        rep = p.replicated
+        hashing = ReplicaDigests(rep) if self.hash_replicas else None
+        # replicated shards are hashed beside the writes too (xxhash releases the GIL)
+        chunk_hashing = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-hash") if self.hash_replicas else None
+        t0 = time.perf_counter()
+        try:
+            chunks = chunk_hashing.submit(self._chunk_digests, job.shards, p.layout) if chunk_hashing else None
+            report = self._write_files(job, p)
+            if hashing is not None and chunks is not None:
+                report.digests = hashing.result()
+                report.chunk_digests = chunks.result()
+                job.metrics.replica_check_s = hashing.seconds
+            job.metrics.write_s = time.perf_counter() - t0
+            return report
+        finally:
+            if hashing is not None:
+                hashing.join()
+            if chunk_hashing is not None:
+                chunk_hashing.shutdown(wait=True)
+            job.completion.staged()  # live tensors are no longer read (written, or failed)
+
+    def _write_files(self, job: SaveJob, p: SavePlan) -> RankReport:
+        cfg = self._config()
+        rep, own = p.replicated, p.own
+        dirs = [os.path.join(root, p.directory) for root in self.roots]
+        for d in dirs:
+            try:
+                self.backend.makedirs(d)
+            except OSError as e:
+                raise CheckpointWriteError(f"cannot create {d}: {e.strerror or e}") from e
+        reports: list[FileReport] = []
+        objects: dict[str, tuple[list[str], list[int], list[mf.TensorEntry]]] = {}
+        jobs = []
+        for s, (r, j) in enumerate(p.slots):
+            if r == self.rank:
+                mine = [e for e in p.extents if e.slot == s]
+                jobs.append((mine, j, os.path.join(dirs[j], f"{p.save_id}-{rep.name}-{s:04d}.bin")))
+        if jobs:
+            reports += write_slots(rep, jobs, self.backend, cfg)
+        if self.rank == 0:
+            path = os.path.join(dirs[0], f"{p.save_id}-{rep.name}.skel")
+            reports.append(write_skeleton(rep, 0, path, self.backend))
+            objects[rep.name] = (rep.keys, rep.sizes, rep.tensors)
+        if own is not None:
+            own_extents: list[Extent] = plan(own.sizes, len(self.roots))
+            own_jobs = [([e for e in own_extents if e.slot == j], j,
+                         os.path.join(dirs[j], f"{p.save_id}-{own.name}-{j:04d}.bin")) for j in range(len(self.roots))]
+            reports += write_slots(own, own_jobs, self.backend, cfg)
+            path = os.path.join(dirs[0], f"{p.save_id}-{own.name}.skel")
+            reports.append(write_skeleton(own, 0, path, self.backend))
+            objects[own.name] = (own.keys, own.sizes, own.tensors)
+        reports += self._write_shards(p, job.shards, cfg)
+        for d in dirs:  # the new files' directory entries are durable too
+            self.backend.fsync_dir(d)
+        self.backend.event("after-data")
+        return RankReport(reports, objects)
+
+    def _write_shards(self, p: SavePlan, shards: list[dtensor.LocalShard], cfg: IOConfig) -> list[FileReport]:
+        """Write this rank's pieces of the distinct chunks, balanced over the roots; in the
+        reports an extent's ``storage`` is the chunk's index in ``layout.chunks``."""
+        chunks = p.layout.chunks
+        mine = [piece for piece in p.layout.pieces if piece.rank == self.rank]
+        if not mine:
+            return []
+        local = {(sh.meta.path, sh.meta.offsets, sh.meta.sizes): sh.tensor for sh in shards}
+        tensors = [local[(chunks[x.chunk].path, chunks[x.chunk].offsets, chunks[x.chunk].sizes)] for x in mine]
+        files = [(j, os.path.join(root, p.directory, f"{p.save_id}-{mf.SHARDED}-r{self.rank:05d}-{j:04d}.bin"))
+                 for j, root in enumerate(self.roots)]
+        reports = write_chunks(mf.SHARDED, tensors, [(i, x.start, x.nbytes) for i, x in enumerate(mine)],
+                                       files, self.backend, cfg)
+        # tensor index i -> chunk index
+        return [dataclasses.replace(r, extents=tuple(dataclasses.replace(e, storage=mine[e.storage].chunk)
+                                                     for e in r.extents)) for r in reports]
+
+    @staticmethod
+    def _chunk_digests(shards: list[dtensor.LocalShard], layout: dtensor.Layout) -> dict[int, int]:
+        """xxh3-64 of every shard this rank holds that other ranks hold too (the replica check)."""
+        index = {(c.path, c.offsets, c.sizes): i for i, c in enumerate(layout.chunks)}
+        out = {}
+        for sh in shards:
+            c = index.get((sh.meta.path, sh.meta.offsets, sh.meta.sizes))
+            if c is not None and len(layout.holders[c]) > 1:
+                out[c] = tensor_digest(sh.tensor)
+        return out

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from fastpersist.cli.bench import drop_caches
+from _bench.measure import device_summary, drop_caches
+from _bench.stats import median_spread
 
 WORLD = 4
 
@@ -160,13 +161,6 @@ def _worker(rank: int, world: int, init: str, args: dict[str, Any], out: Any) ->
     dist.destroy_process_group()
 
 
-def _med(xs: list[float]) -> str:
-    xs = [x for x in xs if x == x]
-    if not xs:
-        return "-"
-    return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.0)
@@ -175,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=tempfile.gettempdir())
     a = p.parse_args(argv)
     base = tempfile.mkdtemp(prefix="fp-bench-dcp-", dir=a.dir)
-    from fastpersist.cli.bench import device_summary
-
     device = device_summary(base, int(a.gib * (1 << 30)))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -194,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| contender | save GB/s (durable) | blocked s | CPU s / GB | load GB/s | reshard-load GB/s |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {_med([gb / t for t in r['save']])} | {_med(r['blocked'])} | "
-              f"{_med([c / gb for c in r['cpu']])} | {_med([gb / t for t in r['load']])} | "
-              f"{_med([gb / t for t in r['reshard'] if t == t])} |")
+        print(f"| {name} | {median_spread([gb / t for t in r['save']])} | {median_spread(r['blocked'])} | "
+              f"{median_spread([c / gb for c in r['cpu']])} | {median_spread([gb / t for t in r['load']])} | "
+              f"{median_spread([gb / t for t in r['reshard']])} |")
     fs1 = statistics.median(results[f"FileSystemWriter t{args['threads'][0]}"]["save"])
     best = min(statistics.median(results[f"FileSystemWriter t{t}"]["save"]) for t in args["threads"])
     fpd = statistics.median(results["fastpersist.dcp"]["save"])

@@ -106,7 +106,8 @@ def lightning_run(config: str, d: str, steps: int, every: int) -> float:
     trainer = pl.Trainer(accelerator="cpu", max_steps=steps, plugins=[io] if io else None, callbacks=callbacks,
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=io is not None)
-    data = torch.utils.data.DataLoader(list(batches(steps)), batch_size=None)
+    tensors: Any = list(batches(steps))  # a list serves as a map-style dataset
+    data = torch.utils.data.DataLoader(tensors, batch_size=None)
     trainer.fit(Module(), data)
     return clock.steps_per_s()
 

@@ -35,9 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _bench.measure import drop_caches
+from _bench.state import gpt_state, tensor_bytes
+from _bench.stats import median_spread
+
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.cli.bench import gpt_state, tensor_bytes
 from fastpersist.io.backend import FileBackend
 
 
@@ -62,20 +65,6 @@ class TokenBucketBackend(FileBackend):
         delay = until - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-
-
-def _median(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
-
-
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _clear(roots: list[str]) -> None:
@@ -187,7 +176,7 @@ def part_scaling(args: argparse.Namespace) -> None:
                                            "cap": cap, "clocks": clocks})
                 gbps = [nbytes / t / 1e9 for t in times]
                 ideal = k * args.cap
-                print(f"| {ranks} | {k} | {ideal:.2f} | {_median(gbps)} | {statistics.median(gbps) / ideal:.2f} |",
+                print(f"| {ranks} | {k} | {ideal:.2f} | {median_spread(gbps, 3)} | {statistics.median(gbps) / ideal:.2f} |",
                       flush=True)
                 _clear(roots)
     finally:
@@ -209,8 +198,8 @@ def part_ranks(args: argparse.Namespace) -> None:
                 every = _multi(world, job)
                 one = _multi(world, {**job, "writers": [0]})
                 tiny = _multi(world, {**job, "gib": 0, "rounds": max(args.rounds, 5)})
-                print(f"| {medium} | {world} | {_median(every)} | {_median(one)} | "
-                      f"{statistics.median(one) / statistics.median(every):.2f}x | {_median([t * 1e3 for t in tiny])} ms |",
+                print(f"| {medium} | {world} | {median_spread(every, 3)} | {median_spread(one, 3)} | "
+                      f"{statistics.median(one) / statistics.median(every):.2f}x | {median_spread([t * 1e3 for t in tiny], 3)} ms |",
                       flush=True)
         finally:
             shutil.rmtree(base, ignore_errors=True)
@@ -227,11 +216,12 @@ def part_load(args: argparse.Namespace) -> None:
         fp.save(state, single)
         del state
         ck = Checkpointer(roots)
-        sharded, one_file = [], []
+        sharded: list[float] = []
+        one_file: list[float] = []
         cold = True
         for _ in range(args.rounds):
             for fn, out in [(lambda: ck.load(0), sharded), (lambda: fp.load(single), one_file)]:
-                cold = _drop_caches() and cold
+                cold = drop_caches() and cold
                 t0 = time.perf_counter()
                 obj = fn()
                 out.append(nbytes / (time.perf_counter() - t0) / 1e9)
@@ -239,8 +229,8 @@ def part_load(args: argparse.Namespace) -> None:
         print(f"\n## Load at world size 1 ({'cold cache: drop_caches' if cold else 'page cache NOT dropped'}; "
               f"{nbytes / 2**30:.2f} GiB, GB/s median [min-max])\n")
         print("| checkpoint | GB/s | ratio |\n|---|---|---|")
-        print(f"| single file (fastpersist.load) | {_median(one_file)} | 1.00 |")
-        print(f"| written by 4 ranks (Checkpointer.load) | {_median(sharded)} | "
+        print(f"| single file (fastpersist.load) | {median_spread(one_file, 3)} | 1.00 |")
+        print(f"| written by 4 ranks (Checkpointer.load) | {median_spread(sharded, 3)} | "
               f"{statistics.median(sharded) / statistics.median(one_file):.2f} |")
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -259,8 +249,8 @@ def part_replicas(args: argparse.Namespace) -> None:
                 times, hashing = _multi(world, {"gib": args.gib, "roots": [os.path.join(base, "root0")],
                                                 "rounds": args.rounds}, _replica_worker)
                 ratio = statistics.median(times[False]) / statistics.median(times[True])
-                print(f"| {medium} | {world} | {_median(times[True])} | {_median(times[False])} | {ratio:.3f} | "
-                      f"{_median([h * 1e3 for h in hashing])} ms |", flush=True)
+                print(f"| {medium} | {world} | {median_spread(times[True], 3)} | {median_spread(times[False], 3)} | {ratio:.3f} | "
+                      f"{median_spread([h * 1e3 for h in hashing], 3)} ms |", flush=True)
         finally:
             shutil.rmtree(base, ignore_errors=True)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from fastpersist.cli.bench import drop_caches
+from _bench.measure import device_summary, drop_caches
 
 SAVE_WORLD = 4
 COLS = 1024
@@ -92,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=tempfile.gettempdir())
     a = p.parse_args(argv)
     base = tempfile.mkdtemp(prefix="fp-bench-reshard-", dir=a.dir)
-    from fastpersist.cli.bench import device_summary
-
     device = device_summary(base, int(a.gib * (1 << 30)))
     rows = _rows(a.gib)
     nbytes = sum(rows) * COLS * 4

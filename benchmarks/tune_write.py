@@ -7,11 +7,14 @@ median and spread of GB/s and CPU cores per configuration. Used to pick IOConfig
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 
+from _bench.measure import GB, measure
+from _bench.state import gpt_state, tensor_bytes
+
 import fastpersist as fp
-from fastpersist.cli.bench import GB, gpt_state, measure, tensor_bytes
 from fastpersist.config import IOConfig, MiB
 
 
@@ -35,7 +38,7 @@ def main() -> None:
     path = os.path.join(args.dir, "tune.pt")
     for r in range(args.rounds):
         for name, cfg in configs.items():
-            s, _ = measure(lambda cfg=cfg: fp.save(state, path, config=cfg))
+            s, _ = measure(functools.partial(fp.save, state, path, config=cfg))
             gbps[name].append(payload / s.seconds / GB)
             cores[name].append(s.cpu_seconds / s.seconds)
             os.unlink(path)

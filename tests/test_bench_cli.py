@@ -1,10 +1,13 @@
-"""``fastpersist bench``: it works in a directory of its own and removes only that."""
+"""``fastpersist bench`` (benchmarks/bench_single_file.py): it works in a directory of its own and
+removes only that; the command runs the checkout's program, or says it needs a checkout."""
 
 from __future__ import annotations
 
 import os
 
-from fastpersist.cli import bench
+import bench_path  # noqa: F401  (benchmarks/ on sys.path)
+import bench_single_file as bench
+from _bench import measure
 
 
 def test_bench_dir_keeps_the_users_directory(tmp_path, monkeypatch, capsys):
@@ -64,10 +67,44 @@ def test_device_probe_says_when_the_filesystem_refuses_o_direct(tmp_path, monkey
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(bench.shutil, "which", lambda name: None)  # no fio
+    monkeypatch.setattr(measure.shutil, "which", lambda name: None)  # no fio
     monkeypatch.setattr(os, "open", refusing_open)
     path = str(tmp_path / "probe.bin")
-    _, write_gbps, note = bench.device_probe(path, "write", 8 << 20)
-    _, read_gbps, _ = bench.device_probe(path, "read", 8 << 20)
+    _, write_gbps, note = measure.device_probe(path, "write", 8 << 20)
+    _, read_gbps, _ = measure.device_probe(path, "read", 8 << 20)
     assert write_gbps > 0 and read_gbps > 0 and os.path.getsize(path) == 8 << 20
     assert "BUFFERED" in note and "O_DIRECT refused" in note
+
+
+def test_demo_and_bench_need_a_checkout(monkeypatch, capsys):
+    """Installed without its checkout, the package has no benchmarks/: the commands say where the
+    demo and the benchmarks run, in one line, and exit 2 (a wrong path), importing nothing."""
+    import sys
+
+    from fastpersist.cli import _programs, main
+
+    monkeypatch.setattr(_programs, "BENCHMARKS", os.path.join(os.sep, "nonexistent", "benchmarks"))
+    before = set(sys.modules)
+    for command in ("demo", "bench"):
+        assert main([command, "--help"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        assert f"fastpersist {command}:" in err and "source checkout" in err and "scripts/demo.sh" in err
+    assert not {m for m in set(sys.modules) - before if m.startswith("_fastpersist_")}
+
+
+def test_bench_runs_the_checkouts_program(capsys):
+    """`fastpersist bench ARGS` is benchmarks/bench_single_file.py's main(ARGS): its options, its
+    usage errors."""
+    import pytest
+
+    from fastpersist.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: fastpersist bench" in out and "--dcp-threads" in out
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--no-such-option"])
+    assert e.value.code == 2 and "--no-such-option" in capsys.readouterr().err

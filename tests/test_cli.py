@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import bench_path  # noqa: F401  (benchmarks/ on sys.path)
+from _bench.measure import Sample
+from _bench.state import gpt_state, tensor_bytes
+from bench_single_file import Series, table
 from fastpersist.cli import main
-from fastpersist.cli.bench import Sample, Series, gpt_state, table, tensor_bytes
 
 
 def test_unknown_command_is_usage_error(capsys):

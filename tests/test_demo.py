@@ -1,4 +1,5 @@
-"""``fastpersist demo`` part 1: the interleaved measurement, its statistics, its table and its picture.
+"""The demo (benchmarks/demo.py, ``fastpersist demo``) part 1: the interleaved measurement, its
+statistics, its table and its picture.
 
 Part 2 (crash and resume) is tested by tests/test_async.py through ``crash_and_resume``.
 """
@@ -11,7 +12,9 @@ import sys
 
 import pytest
 
-from fastpersist.cli import demo
+import bench_path  # noqa: F401  (benchmarks/ on sys.path)
+import demo
+from _bench.stats import overhead, quantile
 
 TINY = ["--size", "tiny", "--rounds", "2", "--warmup", "1", "--block", "3", "--skip-crash"]
 LABELS = [demo.label(m) for m in demo.CONTENDERS]
@@ -31,7 +34,7 @@ def test_a_real_overhead_is_reported_with_its_interval():
     round must still see it, and the interval must exclude 0."""
     base = [b * drift for b, drift in zip(_rounds(12, 1), [1.0, 1.3, 0.8, 1.1, 0.9, 1.2] * 2)]
     other = [b * 1.10 * (1 + e) for b, e in zip(base, _rounds(12, 2, mean=0.0, sd=0.01))]
-    o = demo.overhead(base, other)
+    o = overhead(base, other)
     assert not o.within_noise
     assert 0.08 < o.low <= o.estimate <= o.high < 0.12
     assert re.fullmatch(r"\+\d+\.\d% \(95% CI \+\d+\.\d% to \+\d+\.\d%\)", str(o)), str(o)
@@ -39,29 +42,29 @@ def test_a_real_overhead_is_reported_with_its_interval():
 
 def test_a_real_speedup_is_negative_and_not_noise():
     base = _rounds(10, 3)
-    o = demo.overhead(base, [b * 0.9 for b in base])
+    o = overhead(base, [b * 0.9 for b in base])
     assert not o.within_noise and str(o).startswith("-10.0%")
 
 
 def test_a_difference_inside_the_noise_says_so():
     """Two draws from one distribution: the interval holds 0, and no bare signed percentage is shown."""
-    o = demo.overhead(_rounds(10, 4), _rounds(10, 5))
+    o = overhead(_rounds(10, 4), _rounds(10, 5))
     assert o.low < 0 < o.high and o.within_noise
     assert str(o).startswith("within noise (95% CI -")
 
 
 def test_the_interval_is_reproducible_and_needs_paired_rounds():
     base, other = _rounds(8, 6), _rounds(8, 7)
-    assert demo.overhead(base, other) == demo.overhead(base, other)
+    assert overhead(base, other) == overhead(base, other)
     with pytest.raises(ValueError, match="paired rounds"):
-        demo.overhead(base, other[:-1])
+        overhead(base, other[:-1])
     with pytest.raises(ValueError):
-        demo.overhead([], [])
+        overhead([], [])
 
 
 def test_quantile_and_rotation():
-    assert [demo.quantile([4.0, 1.0, 3.0, 2.0], q) for q in (0, 0.25, 0.5, 1)] == [1.0, 1.75, 2.5, 4.0]
-    assert demo.quantile([7.0], 0.9) == 7.0
+    assert [quantile([4.0, 1.0, 3.0, 2.0], q) for q in (0, 0.25, 0.5, 1)] == [1.0, 1.75, 2.5, 4.0]
+    assert quantile([7.0], 0.9) == 7.0
     orders = [demo.rotated(demo.CONTENDERS, r) for r in range(len(demo.CONTENDERS))]
     for position in range(len(demo.CONTENDERS)):  # every contender runs once in every position
         assert sorted(o[position] for o in orders) == sorted(demo.CONTENDERS)

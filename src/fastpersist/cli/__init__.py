@@ -17,8 +17,10 @@ import sys
 
 # name: (module, function, one-line help)
 _COMMANDS = {
-    "demo": ("fastpersist.cli.demo", "main", "train small models with a checkpoint every iteration; crash and resume"),
-    "bench": ("fastpersist.cli.bench", "main", "benchmark save/load against torch.save, DCP and the device"),
+    # demo and bench run the programs of a source checkout's benchmarks/ (see _programs)
+    "demo": ("fastpersist.cli._programs", "demo_main",
+             "train small models with a checkpoint every iteration; crash and resume"),
+    "bench": ("fastpersist.cli._programs", "bench_main", "benchmark save/load against torch.save, DCP and the device"),
     "ls": ("fastpersist.cli.checkpoints", "ls_main", "list the checkpoints under a root"),
     "inspect": ("fastpersist.cli.checkpoints", "inspect_main",
                 "describe a checkpoint and list its tensors (key, dtype, shape, bytes)"),

@@ -1,5 +1,5 @@
-"""The picture of ``fastpersist demo``: per model, the iteration times of every contender and the
-time training was blocked per save.
+"""The demo's picture (benchmarks/demo.py): per model, the iteration times of every contender and
+the time training was blocked per save.
 
 matplotlib is optional (the ``plot`` extra): this module imports it when it draws, so importing
 the module costs nothing, and a missing matplotlib raises ``ModuleNotFoundError`` from

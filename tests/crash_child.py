@@ -3,20 +3,50 @@
     python tests/crash_child.py ROOT0,ROOT1 MODE KILL_POINT KILL_AT DELAY_S
 
 KILL_POINT is a protocol point (the process SIGKILLs itself there, on the KILL_AT-th time it
-passes it) or "none" (the parent kills it at a random instant). Each write request sleeps
-DELAY_S, so a save spans many instants. It prints "ready" once, then "committed N" after each
-checkpoint it saw committed.
+passes it), "mid-save" (the second data write request of step KILL_AT's save does not happen:
+the writing thread prints "holding" and waits there for the parent's SIGKILL, so the kill lands
+while that save's data is being written), or "none" (the parent kills it at a random instant).
+Each write request sleeps DELAY_S, so a save spans many instants. It prints "ready" once, then
+"committed N" after each checkpoint it saw committed.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 
 import torch
 
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.config import IOConfig
 from fastpersist.faults import Fault, FaultyBackend
+
+NEVER_KILLED_S = 120.0  # the parent kills at once; past this the child exits 3 and the test fails
+
+
+class HoldMidSave(FaultyBackend):
+    """The faults, and the second data write request of one step's save held until the process
+    is killed (after telling the parent). A save has at least two: one data file per root."""
+
+    def __init__(self, faults: list[Fault], step: int) -> None:
+        super().__init__(faults)
+        self.marker = f"step-{step:08d}"
+        self.counting = threading.Lock()  # (not "lock": FileBackend.lock takes the root lock)
+        self.data_writes = 0
+
+    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
+        super().before_write(root, path, offset, nbytes)
+        if self.marker not in path or not path.endswith(".bin"):
+            return
+        with self.counting:
+            self.data_writes += 1
+            hold = self.data_writes == 2
+        if hold:
+            sys.stdout.write("holding\n")
+            sys.stdout.flush()
+            threading.Event().wait(NEVER_KILLED_S)
+            os._exit(3)
 
 
 def state(step: int) -> dict:
@@ -31,10 +61,11 @@ def state(step: int) -> dict:
 def main() -> None:
     roots, mode, point, at, delay = sys.argv[1].split(","), sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
     faults = [Fault("write", None, at=0, delay_s=delay)] if delay else []
-    if point != "none":
+    if point not in ("none", "mid-save"):
         faults.append(Fault("event", None, point=point, at=at, kill=True))
+    backend = HoldMidSave(faults, step=at) if point == "mid-save" else FaultyBackend(faults)
     config = IOConfig(chunk_bytes=64 * 1024, num_buffers=2, zero_copy_min_bytes=8192)
-    ck = Checkpointer(roots, mode=mode, keep=3, backend=FaultyBackend(faults), config=config)
+    ck = Checkpointer(roots, mode=mode, keep=3, backend=backend, config=config)
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=0.1)
     if mode == "overlap":
@@ -45,6 +76,8 @@ def main() -> None:
         s = state(step)
         ck.save(step, s).wait()
         print(f"committed {step}", flush=True)
+        if point == "mid-save" and step >= at:
+            sys.exit(f"step {step} committed: its save was to be held mid-write")  # exit 1, the test fails
         step += 1
         if step > 10_000:
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import struct
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -72,7 +73,21 @@ def per_rank(seed: int, rank: int) -> dict[str, Any]:
 # equality
 
 
-def _differ(a: Any, b: Any, path: str, seen: dict[int, int]) -> str | None:
+def _layout_difference(a: torch.Tensor, b: torch.Tensor, seen: dict[int, int]) -> str | None:
+    if a.numel() and a.stride() != b.stride():
+        return f"stride {a.stride()} vs {b.stride()}"
+    if a.storage_offset() != b.storage_offset():
+        return f"storage offset {a.storage_offset()} vs {b.storage_offset()}"
+    if a.untyped_storage().nbytes() != b.untyped_storage().nbytes():
+        return f"storage of {a.untyped_storage().nbytes()} vs {b.untyped_storage().nbytes()} bytes"
+    sa, sb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+    if a.untyped_storage().nbytes() and seen.setdefault(sa, sb) != sb:
+        return "storage sharing differs (shares a storage in one state, not in the other)"
+    return None
+
+
+def _differ(a: Any, b: Any, path: str, seen: dict[int, int] | None) -> str | None:
+    """``seen`` maps storages of ``a`` to those of ``b``; None: the layout is not compared."""
     if type(a) is not type(b) and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return f"{path}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, torch.Tensor):
@@ -81,15 +96,10 @@ def _differ(a: Any, b: Any, path: str, seen: dict[int, int]) -> str | None:
         for what in ("dtype", "shape", "requires_grad", "device"):
             if getattr(a, what) != getattr(b, what):
                 return f"{path}: {what} {getattr(a, what)} vs {getattr(b, what)}"
-        if a.numel() and a.stride() != b.stride():
-            return f"{path}: stride {a.stride()} vs {b.stride()}"
-        if a.storage_offset() != b.storage_offset():
-            return f"{path}: storage offset {a.storage_offset()} vs {b.storage_offset()}"
-        if a.untyped_storage().nbytes() != b.untyped_storage().nbytes():
-            return f"{path}: storage of {a.untyped_storage().nbytes()} vs {b.untyped_storage().nbytes()} bytes"
-        sa, sb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
-        if a.untyped_storage().nbytes() and seen.setdefault(sa, sb) != sb:
-            return f"{path}: storage sharing differs (shares a storage in one state, not in the other)"
+        if seen is not None:
+            layout = _layout_difference(a, b, seen)
+            if layout:
+                return f"{path}: {layout}"
         ab = a.detach().cpu().contiguous().view(-1).view(torch.uint8) if a.numel() else a.detach().cpu()
         bb = b.detach().cpu().contiguous().view(-1).view(torch.uint8) if b.numel() else b.detach().cpu()
         if not torch.equal(ab, bb):  # bitwise: NaNs and -0.0 count
@@ -121,23 +131,29 @@ def _differ(a: Any, b: Any, path: str, seen: dict[int, int]) -> str | None:
     return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
-def state_difference(a: Any, b: Any) -> str | None:
-    """None if ``a`` and ``b`` are equal: same structure and types, tensors bit for bit with the
-    same dtype, shape, stride and requires_grad, and the same storage sharing; else where not."""
-    fwd = _differ(a, b, "state", {})
-    if fwd:
+def state_difference(a: Any, b: Any, *, layout: bool = True) -> str | None:
+    """None if ``a`` and ``b`` are equal: same structure, types and dict key order, tensors bit
+    for bit (NaNs and -0.0 count) with the same dtype, shape, device and requires_grad; else
+    where they differ.
+
+    ``layout`` (the default) also compares how tensors lie in memory: stride, storage offset,
+    storage size and storage sharing (a view or a tied weight must come back as one). Pass
+    ``layout=False`` for tensors rebuilt whole (gathered from shards, moved between devices),
+    whose layout is not what the test checks."""
+    fwd = _differ(a, b, "state", {} if layout else None)
+    if fwd or not layout:
         return fwd
     return _differ(b, a, "state", {})  # sharing must hold both ways
 
 
-def assert_state_equal(a: Any, b: Any) -> None:
-    diff = state_difference(a, b)
+def assert_state_equal(a: Any, b: Any, *, layout: bool = True) -> None:
+    diff = state_difference(a, b, layout=layout)
     if diff is not None:
         raise AssertionError(diff)
 
 
-def states_equal(a: Any, b: Any) -> bool:
-    return state_difference(a, b) is None
+def states_equal(a: Any, b: Any, *, layout: bool = True) -> bool:
+    return state_difference(a, b, layout=layout) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +242,27 @@ def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.005)
+
+
+def blocked(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is blocked in ``threading.Condition.wait`` (where an Event, a Future's
+    result and a Queue wait too): its innermost Python frame is that function's.
+
+    A test waits for this state with :func:`wait_until` to know that a thread reached the wait
+    it checks, instead of guessing how long getting there takes; a thread that does not block
+    never reaches it (and finishes instead). Start looking only once the thread is past the
+    waits of its own that came before."""
+    frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+    return frame is not None and frame.f_code is threading.Condition.wait.__code__
+
+
+def release_at_exit(release: Callable[[], None]) -> None:
+    """Call ``release`` as soon as the interpreter starts exiting, before the exit hooks of the
+    Checkpointers built so far finish their saves in flight: threading's exit hooks run
+    last-registered first, and a Checkpointer registers one when it is built. A child script
+    holds its writes (``HeldBackend``) and passes ``backend.release`` here after building its
+    Checkpointer: its save is then certainly in flight when the script ends."""
+    threading._register_atexit(release)  # type: ignore[attr-defined]
 
 
 def file_names(paths: Sequence[str]) -> list[str]:

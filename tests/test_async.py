@@ -7,37 +7,50 @@ import copy
 import errno
 import os
 import random
+import signal
+import subprocess
+import sys
 import threading
-import time
 
 import pytest
-from helpers import HeldBackend
+from helpers import HeldBackend, blocked, wait_until
 from helpers import states_equal as _same
 import torch
 
 import fastpersist as fp
-from fastpersist.checkpointer import Checkpointer
-from fastpersist.cli.demo import crash_and_resume
+from fastpersist.checkpointer import Checkpointer, list_checkpoints
 from fastpersist.io.backend import FileBackend
 from fastpersist.timeline import Commit, Retention
 from fastpersist.state import RNGState
 
 MODES = ["sync", "snapshot", "overlap"]
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-class Slow(FileBackend):
-    """Real files; every write request waits ``delay`` seconds first (and counts)."""
+class Failing(FileBackend):
+    """Real files; every write request raises ``fail`` while it is set."""
 
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.requests = 0
+    def __init__(self) -> None:
         self.fail: OSError | None = None
 
     def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
-        self.requests += 1
-        time.sleep(self.delay)
         if self.fail is not None:
             raise self.fail
+
+
+def _thread(fn) -> tuple[threading.Thread, list[BaseException]]:
+    """A started thread running ``fn``, and the list its exception (if any) lands in."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, errors
 
 
 def _training(seed: int = 0):
@@ -66,16 +79,37 @@ def _snapshot(model, opt, sched) -> dict:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget", [2 << 30, 4096], ids=["in-budget", "over-budget"])
 def test_checkpoint_is_the_state_at_save_time(tmp_path, small_io, mode, budget):
-    """Training goes on right after save(); the checkpoint must still be the state at save()."""
+    """Training goes on right after save(); the checkpoint must still be the state at save().
+
+    Where save() returns before the write (in budget, snapshot and overlap), the data writes
+    are held until training has moved on: three whole steps in snapshot mode; in overlap mode
+    the first step's forward and backward (BatchNorm buffers change), up to the optimizer step,
+    whose guard waits for the write. Over the budget, and in sync mode, save() writes inline."""
     model, opt, sched, step = _training()
-    backend = Slow(0.002)
+    inline = mode == "sync" or budget == 4096
+    backend = HeldBackend(hold="step-00000001")
+    if inline:
+        backend.release()  # save() returns committed: nothing to hold
     ck = Checkpointer(str(tmp_path / "ck"), mode=mode, snapshot_bytes=budget, backend=backend, config=small_io)
+    at_step = threading.Event()
+    opt.register_step_pre_hook(lambda *_: at_step.set())  # registered first: runs before the guard
     if mode == "overlap":
         ck.protect(opt)
     expected = _snapshot(model, opt, sched)
     handle = ck.save(1, {"model": model, "optim": opt, "sched": sched}, rank_state={"rng": RNGState()})
-    for _ in range(3):  # parameters, moments, BatchNorm buffers, scheduler and RNG all move on
-        step()
+    assert handle.metrics.inline == inline
+    if not inline:
+        assert backend.holding.wait(30) and not handle.done()
+    # parameters, moments, BatchNorm buffers, scheduler and RNG all move on
+    training, errors = _thread(lambda: [step() for _ in range(3)])
+    if mode == "overlap" and not inline:
+        assert at_step.wait(30) and not handle.staged.done()
+    else:
+        training.join(60)
+        assert not training.is_alive() and (inline or not handle.done())  # three steps, the write held
+    backend.release()
+    training.join(60)
+    assert not training.is_alive() and errors == []
     after = _snapshot(model, opt, sched)
     assert not _same(after["model"], expected["model"]) and not _same(after["rng"], expected["rng"])
     handle.wait()
@@ -91,24 +125,30 @@ def test_checkpoint_is_the_state_at_save_time(tmp_path, small_io, mode, budget):
 
 
 def test_guarded_step_waits_for_the_write(tmp_path, small_io):
-    """optimizer.step() after save() in overlap mode waits until the live tensors are written."""
+    """optimizer.step() after save() in overlap mode waits until the live tensors are written:
+    with the write held, the step blocks inside optimizer.step() (it does not finish), and it
+    finishes only after the write is released and the tensors are staged."""
     model, opt, sched, step = _training()
     backend = HeldBackend(hold="step-00000001")  # the data writes wait until the test releases them
     ck = Checkpointer(str(tmp_path / "ck"), mode="overlap", backend=backend, config=small_io)
+    at_step = threading.Event()
+    opt.register_step_pre_hook(lambda *_: at_step.set())  # registered first: runs before the guard
     ck.protect(opt)
+    staged_when_stepped: list[bool] = []
+    opt.register_step_post_hook(lambda *_: staged_when_stepped.append(handle.staged.done()))
     expected = _snapshot(model, opt, sched)
     handle = ck.save(1, {"model": model, "optim": opt})
     assert handle.metrics.bytes_copied < 4096  # only the BatchNorm buffers were copied
     assert backend.holding.wait(30) and not handle.done() and not handle.staged.done()
-    stepping = threading.Thread(target=step)  # the guarded optimizer step must wait for the write
-    stepping.start()
-    stepping.join(0.3)
-    assert stepping.is_alive(), "the optimizer step ran while its tensors were being written"
+    stepping, errors = _thread(step)  # the guarded optimizer step must wait for the write
+    wait_until(lambda: (at_step.is_set() and blocked(stepping)) or not stepping.is_alive())
+    assert stepping.is_alive() and staged_when_stepped == [], \
+        "the optimizer step ran while its tensors were being written"
     backend.release()
     stepping.join(30)
-    assert not stepping.is_alive() and handle.staged.done()
+    assert not stepping.is_alive() and errors == [] and staged_when_stepped == [True]
     handle.wait()
-    assert handle.metrics.step_wait_s > 0.2
+    assert handle.metrics.step_wait_s > 0  # the step's wait is in the metrics
     got = Checkpointer(str(tmp_path / "ck")).load(1)
     assert _same(got["model"], expected["model"]) and _same(got["optim"], expected["optim"])
 
@@ -138,27 +178,55 @@ def test_without_the_guard_the_checkpoint_would_be_torn(tmp_path, small_io):
 
 def test_back_pressure_skip_and_wait(tmp_path, small_io):
     state = {"w": torch.randn(100_000)}
-    ck = Checkpointer(str(tmp_path / "skip"), backend=Slow(0.01), config=small_io, when_busy="skip")
+    backend = HeldBackend(hold="step-00000001")  # the first checkpoint stays in flight until released
+    ck = Checkpointer(str(tmp_path / "skip"), backend=backend, config=small_io, when_busy="skip")
     first = ck.save(1, state)
+    assert backend.holding.wait(30)
     second = ck.save(2, state)
     assert second.done() and second.metrics.skipped and not first.done()
+    backend.release()
     first.wait()
     ck.save(3, state).wait()
     assert [i.step for i in ck.list()] == [1, 3]
     assert [m.step for m in ck.history if m.skipped] == [2]
 
-    ck = Checkpointer(str(tmp_path / "wait"), backend=Slow(0.01), config=small_io, when_busy="wait")
+    backend = HeldBackend(hold="step-00000001")
+    ck = Checkpointer(str(tmp_path / "wait"), backend=backend, config=small_io, when_busy="wait")
     first = ck.save(1, state)
-    second = ck.save(2, state)  # waits for the first
-    assert first.done() and second.metrics.waited_for_previous
+    assert backend.holding.wait(30)
+    me = threading.current_thread()
+
+    def release_once_save_waits() -> None:
+        try:
+            wait_until(lambda: blocked(me))  # save(2) below waits for room
+        finally:
+            backend.release()
+
+    releaser, errors = _thread(release_once_save_waits)
+    second = ck.save(2, state)  # waits for the first, which is released only once this call waits
+    releaser.join(60)
+    assert errors == [] and first.done() and second.metrics.waited_for_previous
     ck.close()
     assert [i.step for i in ck.list()] == [1, 2]
 
 
+def _live_params(ck: Checkpointer) -> list[torch.nn.Parameter]:
+    """Three parameters (of values 1, 2, 3) of an optimizer ``ck`` protects (overlap mode):
+    written from live memory, they need no snapshot arena, which a second snapshot would wait
+    for until the first is committed; so several saves of them can be in flight at once."""
+    params = [torch.nn.Parameter(torch.full((50_000,), float(s))) for s in (1, 2, 3)]
+    ck.protect(torch.optim.SGD(params, lr=0.1))
+    return params
+
+
 def test_max_in_flight_allows_several(tmp_path, small_io):
-    ck = Checkpointer(str(tmp_path / "ck"), backend=Slow(0.005), config=small_io, max_in_flight=3)
-    handles = [ck.save(s, {"w": torch.full((50_000,), float(s))}) for s in (1, 2, 3)]
+    backend = HeldBackend(hold="step-00000001")  # the first stays in flight; the others queue behind it
+    ck = Checkpointer(str(tmp_path / "ck"), mode="overlap", backend=backend, config=small_io, max_in_flight=3)
+    params = _live_params(ck)
+    handles = [ck.save(s, {"w": params[s - 1]}) for s in (1, 2, 3)]
+    assert backend.holding.wait(30) and not any(h.done() for h in handles)
     assert not any(h.metrics.waited_for_previous for h in handles)
+    backend.release()
     ck.wait()
     assert all(ck.load(s)["w"][0] == s for s in (1, 2, 3))
 
@@ -166,7 +234,10 @@ def test_max_in_flight_allows_several(tmp_path, small_io):
 def test_retention_keeps_in_flight_and_latest(tmp_path, small_io):
     """keep=1 with three checkpoints in flight: each commit's retention runs while the later
     ones are still queued; it deletes only older committed ones."""
-    ck = Checkpointer(str(tmp_path / "ck"), keep=1, backend=Slow(0.005), config=small_io, max_in_flight=3)
+    backend = HeldBackend(hold="step-00000001")  # all three are in flight before the first commits
+    ck = Checkpointer(str(tmp_path / "ck"), mode="overlap", keep=1, backend=backend, config=small_io,
+                      max_in_flight=3)
+    params = _live_params(ck)
     seen: list[list[int]] = []
     real = ck._after_commit
 
@@ -175,8 +246,9 @@ def test_retention_keeps_in_flight_and_latest(tmp_path, small_io):
         seen.append([i.step for i in ck.list() if i.committed])
 
     ck._after_commit = spy
-    for s in (1, 2, 3):
-        ck.save(s, {"w": torch.full((50_000,), float(s))})
+    handles = [ck.save(s, {"w": params[s - 1]}) for s in (1, 2, 3)]
+    assert backend.holding.wait(30) and not any(h.done() for h in handles)
+    backend.release()
     ck.close()
     assert seen == [[1], [2], [3]]
     assert [i.step for i in ck.list()] == [3]
@@ -199,7 +271,7 @@ def test_retention_policy():
 
 def test_background_error_surfaces_everywhere(tmp_path, small_io):
     model, opt, sched, step = _training()
-    backend = Slow(0.0)
+    backend = Failing()
     ck = Checkpointer(str(tmp_path / "ck"), mode="overlap", backend=backend, config=small_io)
     ck.protect(opt)
     ck.save(1, {"model": model}).wait()
@@ -265,8 +337,10 @@ def test_startup_cleans_leftovers(tmp_path):
 
 
 def test_saves_from_a_thread_while_training_thread_runs(tmp_path):
-    """The background worker and the training thread do not share a lock that stalls either."""
-    ck = Checkpointer(str(tmp_path / "ck"), mode="snapshot", max_in_flight=2)
+    """The background worker and the training thread do not share a lock that stalls either:
+    while a checkpoint is in flight (its writes held), the training thread makes progress."""
+    backend = HeldBackend(hold="step-00000000")
+    ck = Checkpointer(str(tmp_path / "ck"), mode="snapshot", max_in_flight=2, backend=backend)
     stop = threading.Event()
     counter = [0]
 
@@ -274,37 +348,72 @@ def test_saves_from_a_thread_while_training_thread_runs(tmp_path):
         while not stop.is_set():
             counter[0] += 1
 
-    t = threading.Thread(target=spin)
-    t.start()
-    for s in range(5):
+    t, errors = _thread(spin)
+    first = ck.save(0, {"w": torch.randn(200_000)})
+    assert backend.holding.wait(30)
+    before = counter[0]
+    wait_until(lambda: counter[0] > before)  # training runs while the save is in flight
+    assert not first.done()
+    backend.release()
+    for s in range(1, 5):
         ck.save(s, {"w": torch.randn(200_000)})
     ck.close()
     stop.set()
-    t.join()
-    assert counter[0] > 0 and [i.step for i in ck.list()] == [0, 1, 2, 3, 4]
+    t.join(30)
+    assert errors == [] and [i.step for i in ck.list()] == [0, 1, 2, 3, 4]
+
+
+def _losses(lines: list[str]) -> dict[int, str]:
+    return {int(p[1]): p[3] for p in (line.split() for line in lines) if len(p) == 4 and p[0] == "step"}
+
+
+def _train(directory: str, *args: str) -> list[str]:
+    out = subprocess.run([sys.executable, os.path.join(HERE, "train_child.py"), directory, *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout.splitlines()
 
 
 def test_sigkill_during_a_write_resumes_exactly(tmp_path):
     """A training run killed with SIGKILL while a checkpoint is being written resumes from the
-    latest committed checkpoint and produces the same losses as an uninterrupted run."""
-    r = crash_and_resume(str(tmp_path), steps=14, kill_after=6, slow_ms=20.0)
-    assert r["returncode"] == -9 and r["killed_mid_write"]
-    assert r["resumed_from"] is not None and r["resumed_from"] <= 6
-    resumed, reference = r["resumed"], r["reference"]
-    assert sorted(resumed) == list(range(r["resumed_from"] + 1, 14))
-    assert all(resumed[s] == reference[s] for s in resumed)
-    assert any(r["killed"][s] == reference[s] for s in r["killed"])  # the killed run was the same run
+    latest committed checkpoint and produces the same losses as an uninterrupted run. The kill
+    lands mid-write every time: the child holds the second data write of step 6's checkpoint,
+    says so, and the parent kills it then."""
+    steps, held = 14, 6
+    reference = _losses(_train(str(tmp_path / "ref"), str(steps), "none"))
+    assert sorted(reference) == list(range(steps))
+    run = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "train_child.py"), run, str(steps), "overlap",
+                             str(held)], stdout=subprocess.PIPE, text=True)
+    killed_lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip() == "holding":
+            proc.send_signal(signal.SIGKILL)
+            break
+        killed_lines.append(line)
+    proc.stdout.close()
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    killed = _losses(killed_lines)
+    assert sorted(killed) == list(range(held + 1)) and all(killed[s] == reference[s] for s in killed)
+    infos = {i.step: i.committed for i in list_checkpoints(os.path.join(run, "r0"))}
+    assert infos[held] is False and max(s for s, c in infos.items() if c) == held - 1  # killed mid-write
+    lines = _train(run, str(steps), "overlap")
+    assert lines[0] == f"resumed from step {held - 1}"
+    resumed = _losses(lines)
+    assert sorted(resumed) == list(range(held, steps))
+    assert all(resumed[s] == reference[s] for s in resumed)  # bit for bit
 
 
 def test_checkpoint_in_flight_at_exit_is_finished(tmp_path):
-    """A job that ends right after save(), without close(), still gets its last checkpoint."""
-    import subprocess
-    import sys
-
+    """A job that ends right after save(), without close(), still gets its last checkpoint
+    (its writes are held until the interpreter exits: the save is in flight at exit)."""
     root = str(tmp_path / "ck")
-    code = ("import torch; from fastpersist.checkpointer import Checkpointer; "
-            "from fastpersist.faults import Fault, FaultyBackend; "
-            f"c = Checkpointer({root!r}, backend=FaultyBackend([Fault('write', None, at=0, delay_s=0.2)])); "
+    code = (f"import sys, torch; sys.path.insert(0, {HERE!r}); "
+            "from helpers import HeldBackend, release_at_exit; from fastpersist.checkpointer import Checkpointer; "
+            f"b = HeldBackend('step-'); c = Checkpointer({root!r}, backend=b); "
+            "release_at_exit(b.release); "  # the writes wait until the interpreter exits
             "h = c.save(1, {'x': torch.ones(10)}); assert not h.done()")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
     assert Checkpointer(root).latest_step() == 1

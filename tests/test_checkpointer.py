@@ -61,12 +61,27 @@ def test_round_trip_over_roots(tmp_path, small_io, nroots):
         assert any(n.endswith(".bin") for n in os.listdir(os.path.join(root, "step-00000002")))
 
 
+def _storage_bytes(obj: object, seen: dict[int, int] | None = None) -> int:
+    """The bytes of the storages under ``obj``, each counted once (views and tied tensors share)."""
+    seen = {} if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _storage_bytes(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _storage_bytes(v, seen)
+    return sum(seen.values())
+
+
 def test_balanced_share_per_root(tmp_path, small_io):
     ck = Checkpointer(_roots(tmp_path, 4), config=small_io)
-    stats = ck.save(3, _state(3)).wait()
+    state = _state(3)
+    stats = ck.save(3, state).wait()
     loads = [stats.bytes_per_root[j] for j in range(4)]
     assert max(loads) - min(loads) <= 2 * 4096
-    assert sum(loads) == stats.bytes_total
+    assert sum(loads) == stats.bytes_total == _storage_bytes(state)  # every storage's bytes, once
 
 
 def test_large_extents_share_memory_phase(tmp_path, small_io):

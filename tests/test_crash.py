@@ -1,9 +1,12 @@
 """The crash matrix: a real saving process killed with SIGKILL at every point of the save
-protocol and at random instants. Afterwards: every committed checkpoint loads bit-exactly,
-nothing partial is listed or loadable, and the next writer cleans what was left.
+protocol, in the middle of a save's data writes, and at random instants. Afterwards: every
+committed checkpoint loads bit-exactly, nothing partial is listed or loadable, and the next
+writer cleans what was left.
 
-The default run covers every protocol point and a few random instants; `pytest -m long` runs
-the long mode (100+ random instants over the three modes)."""
+The kills at protocol points and mid-save land where they are meant to every time (the child
+kills itself there, or holds a write and tells the parent, which kills it then). The default
+run also covers a few random instants; `pytest -m long` runs the long mode (100+ random
+instants over the three modes)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ import time
 
 import pytest
 from helpers import states_equal as _equal
-import torch
 
 import fastpersist as fp
 from fastpersist.catalog import TEMP_SUFFIX
@@ -31,7 +33,8 @@ CHILD = os.path.join(os.path.dirname(__file__), "crash_child.py")
 
 def _run_child(roots: list[str], mode: str, point: str, at: int, delay: float,
                kill_after: float | None = None) -> list[int]:
-    """Run the child until it dies (by its own fault, or killed after ``kill_after`` s)."""
+    """Run the child until it dies: by its own fault, killed when it says it is holding a write
+    ("mid-save"), or killed after ``kill_after`` s (a random instant)."""
     proc = subprocess.Popen([sys.executable, CHILD, ",".join(roots), mode, point, str(at), str(delay)],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -45,6 +48,9 @@ def _run_child(roots: list[str], mode: str, point: str, at: int, delay: float,
         proc.send_signal(signal.SIGKILL)
         os.set_blocking(proc.stdout.fileno(), True)
     for line in proc.stdout:
+        if line.strip() == "holding":  # a save's data write is held: kill it there
+            proc.send_signal(signal.SIGKILL)
+            continue
         committed.append(int(line.split()[1]))
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
@@ -106,22 +112,32 @@ def test_kill_before_commit_in_other_modes(tmp_path, mode):
     assert summary["committed"] == [1]
 
 
+@pytest.mark.parametrize("mode", ["sync", "snapshot", "overlap"])
+def test_kill_mid_save(tmp_path, mode):
+    """Killed while step 3's data is being written (its second data write is held, and the
+    child is killed there): step 3 is partial, step 2 is the latest, the next writer cleans."""
+    roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    acknowledged = _run_child(roots, mode, "mid-save", at=3, delay=0.0)
+    step3 = [os.path.join(r, "step-00000003") for r in roots]
+    assert any(n.endswith(".bin") for d in step3 for n in os.listdir(d))  # its data files were open
+    assert not any(os.path.exists(os.path.join(d, "manifest.json")) for d in step3)
+    summary = _check_after_crash(roots, acknowledged)
+    assert acknowledged == [1, 2] and summary["committed"] == [1, 2] and summary["partial"] == [3]
+
+
 def _random_trials(tmp_path, count: int, seed: int) -> None:
+    """Kills at random instants: wherever they land (in a save, between saves; the mid-save
+    case is checked every run by test_kill_mid_save), nothing committed is lost or torn."""
     rng = random.Random(seed)
     outcomes = {"mid-save": 0, "between": 0}
-    trial = 0
-    # at least ``count`` trials, and more (up to 3x) until one hits a save in progress: where an
-    # instant lands is chance, and the run must check the mid-save case every time
-    while trial < count or (outcomes["mid-save"] == 0 and trial < 3 * count):
-        trial += 1
+    for trial in range(1, count + 1):
         roots = [str(tmp_path / f"t{trial}" / "r0"), str(tmp_path / f"t{trial}" / "r1")]
         mode = ["sync", "snapshot", "overlap"][trial % 3]
         acknowledged = _run_child(roots, mode, "none", 0, delay=0.002, kill_after=rng.uniform(0.05, 1.5))
         summary = _check_after_crash(roots, acknowledged)
         outcomes["mid-save" if summary["partial"] else "between"] += 1
-    print(f"\n{trial} SIGKILL trials: {outcomes['mid-save']} hit a save in progress, "
+    print(f"\n{count} SIGKILL trials: {outcomes['mid-save']} hit a save in progress, "
           f"{outcomes['between']} fell between saves; every committed checkpoint loaded bit-exactly")
-    assert outcomes["mid-save"] > 0  # the instants did hit saves in progress
 
 
 def test_kill_at_random_instants(tmp_path):

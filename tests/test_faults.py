@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import time
 
 import pytest
 from helpers import states_equal as _equal
@@ -188,14 +187,13 @@ def _dying_worker(rank: int, world: int, init: str, root: str, out: str) -> None
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     backend = FaultyBackend([Fault("write", None, at=1, rank=2, kill=True)])  # rank 2 dies mid-write
     ck = Checkpointer([root], backend=backend, timeout_s=20)
-    t0 = time.monotonic()
     try:
         ck.save(1, state(1)).wait()
         message = "no error"
     except fp.CheckpointError as e:
         message = str(e).splitlines()[0]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"message": message, "seconds": time.monotonic() - t0}, f)
+        json.dump({"message": message}, f)
     os._exit(0)  # the group is broken: skip the collective teardown
 
 
@@ -207,10 +205,13 @@ def test_a_rank_dies_mid_save(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0, -9]
+        p.join(timeout=120)  # a hang guard: the survivors raise (timeout_s=20), they do not hang
+    hung = [p for p in procs if p.exitcode is None]
+    for p in hung:
+        p.kill()
+        p.join()
+    assert not hung and [p.exitcode for p in procs] == [0, 0, -9]
     for r in (0, 1):
         res = json.load(open(tmp_path / f"rank{r}.json"))
         assert "coordination failed" in res["message"] or "failed on rank" in res["message"], res
-        assert res["seconds"] < 60, res  # they raise, they do not hang
     assert not os.path.exists(os.path.join(root, "step-00000001", "manifest.json"))

@@ -372,10 +372,19 @@ def test_handle_is_a_future(tmp_path):
 
 
 def test_errors_live_in_one_module():
+    """The package exports exactly the exceptions fastpersist.errors defines (every one, and no
+    other module's), all of them under CheckpointError: one hierarchy to catch."""
+    import inspect
+
     from fastpersist import errors
 
-    assert fp.DistributedCheckpointError is errors.DistributedCheckpointError
-    assert issubclass(fp.ReplicaMismatchError, fp.CheckpointError)
+    def is_error(obj: object) -> bool:
+        return inspect.isclass(obj) and issubclass(obj, BaseException)
+
+    exported = {name: getattr(fp, name) for name in fp.__all__ if is_error(getattr(fp, name))}
+    defined = {name: c for name, c in vars(errors).items() if is_error(c) and c.__module__ == errors.__name__}
+    assert exported == defined
+    assert all(issubclass(c, fp.CheckpointError) for c in defined.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,17 +481,21 @@ def test_a_save_raising_on_one_rank_cannot_commit_mismatched_data(tmp_path):
 _EXIT_CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
-from helpers import replicated
+from helpers import HeldBackend, release_at_exit, replicated
 import fastpersist as fp
-ck = fp.Checkpointer({roots!r})
-ck.save(1, replicated(1, {small}))
+backend = HeldBackend("step-")
+ck = fp.Checkpointer({roots!r}, backend=backend)
+release_at_exit(backend.release)  # the writes wait until the interpreter exits
+h = ck.save(1, replicated(1, {small}))
+assert not h.done()
 # no close(): the interpreter exits with the checkpoint in flight
 """
 
 
 def test_checkpoint_in_flight_at_exit_is_finished_over_two_roots(tmp_path):
     """With two roots the writes use a thread pool, which concurrent.futures shuts down at
-    exit: the exit hook must run before that, or the last checkpoint is lost."""
+    exit: the exit hook must run before that, or the last checkpoint is lost. (The child's
+    writes are held until it exits, so its checkpoint is in flight then, every run.)"""
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     code = _EXIT_CHILD.format(tests=os.path.dirname(__file__), roots=roots, small=SMALL)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import fsdp_mlp, gathered, run_ranks, small_mlp
+from helpers import assert_state_equal, fsdp_mlp, gathered, run_ranks, small_mlp
 
 import fastpersist
 from fastpersist import Checkpointer
@@ -20,16 +20,6 @@ from fastpersist.errors import CheckpointError, CheckpointReadError, CorruptChec
 from fastpersist.format import manifest as mf
 
 D_IN, D_HID, D_OUT = 48, 130, 37
-
-
-def _same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-            assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
-        else:
-            assert a[k] == b[k], k
 
 
 def _trained(world: int):
@@ -89,21 +79,22 @@ def test_every_rank_writes_its_shards_over_both_roots(fsdp_saved):
 @pytest.mark.parametrize("world", [4, 3, 2])
 def test_reshard_load_is_exact(fsdp_saved, world):
     tmp, roots, full = fsdp_saved
-    _same(run_ranks(tmp, world, _load_fsdp, roots)[0], full)
+    assert_state_equal(run_ranks(tmp, world, _load_fsdp, roots)[0], full, layout=False)
 
 
 def test_load_at_world_size_one_without_a_process_group(fsdp_saved):
     _, roots, full = fsdp_saved
     assert not dist.is_initialized()
     state = fastpersist.open(roots).load(7)
-    _same(gathered(state), full)
+    assert_state_equal(gathered(state), full, layout=False)
     # into a plain model: filled in place
     m = small_mlp()
     with torch.no_grad():
         for p in m.parameters():
             p.fill_(3.0)
     fastpersist.open(roots).load(7, into={"model": m})
-    _same(gathered({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")})
+    assert_state_equal(gathered({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")},
+                       layout=False)
 
 
 def test_keys_reads_only_those_tensors(fsdp_saved):
@@ -128,7 +119,7 @@ def test_convert_writes_full_tensors_for_torch_load(fsdp_saved, tmp_path):
 
     out = str(tmp_path / "full.pt")
     assert main(["convert", os.path.join(roots[0], "step-00000007"), out, "--root", roots[1]]) == 0
-    _same(gathered(torch.load(out, weights_only=True)), full)
+    assert_state_equal(gathered(torch.load(out, weights_only=True)), full, layout=False)
 
 
 # ---- a 2x2 mesh (Replicate, Shard(0)): the replicated shard written once, split over its holders
@@ -172,8 +163,8 @@ def test_2x2_mesh_to_1d_shard1(tmp_path):
     writers = {man.files[e.file].name.split("-")[2] for c in big.chunks for e in c.extents}
     assert writers == {"r00000", "r00001", "r00002", "r00003"}  # each shard split over its 2 holders
     for world in (2, 3):
-        _same(run_ranks(tmp_path, world, _load_1d_shard1, roots)[0], full)
-    _same(fastpersist.open(roots).load(1), full)
+        assert_state_equal(run_ranks(tmp_path, world, _load_1d_shard1, roots)[0], full, layout=False)
+    assert_state_equal(fastpersist.open(roots).load(1), full, layout=False)
 
 
 # ---- bad input
@@ -296,7 +287,7 @@ def test_overlap_mode_saves_the_state_at_save_time(tmp_path):
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     out = run_ranks(tmp_path, 2, _save_overlap, roots)
     state = fastpersist.open(roots).load(1)
-    _same(gathered(state), out[0]["saved"])
+    assert_state_equal(gathered(state), out[0]["saved"], layout=False)
     # the parameters' and optimizer moments' shards were not copied: written from live memory
     params = sum(v.nbytes for k, v in out[0]["saved"].items() if k.startswith("model.")) // 2
     assert out[0]["copied"] < params
@@ -315,7 +306,7 @@ def _load_fresh(rank: int, world: int, roots: list[str]) -> dict:
 
 def test_load_into_a_fresh_optimizer(fsdp_saved):
     tmp, roots, full = fsdp_saved
-    _same(run_ranks(tmp, 2, _load_fresh, roots)[0], full)
+    assert_state_equal(run_ranks(tmp, 2, _load_fresh, roots)[0], full, layout=False)
 
 
 # ---- odd inputs (a stranger's review)
@@ -392,7 +383,8 @@ def test_into_reads_only_its_keys(fsdp_saved):
     m = small_mlp()
     state = fastpersist.open(roots).load(7, into={"model": m})
     assert state["optim"]["state"][0]["exp_avg"] is None  # not read: `into` did not ask for it
-    _same(gathered({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")})
+    assert_state_equal(gathered({"model": m.state_dict()}), {k: v for k, v in full.items() if k.startswith("model.")},
+                       layout=False)
 
 
 def test_colliding_dotted_keys_are_refused(tmp_path):

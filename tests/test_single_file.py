@@ -13,22 +13,7 @@ from fastpersist.config import IOConfig
 from fastpersist.format import torchzip
 
 from conftest import fds_under
-
-
-def _equal(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return (
-            isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and a.stride() == b.stride()
-            and torch.equal(a, b)
-        )
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
+from helpers import states_equal as _equal
 
 
 def _decoy(obj: object) -> object:

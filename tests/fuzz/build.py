@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import xxhash
+from helpers import states_equal
 
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer
@@ -46,16 +47,9 @@ def reference_state() -> dict[str, Any]:
 
 
 def equal(a: object, b: object) -> bool:
-    """Bit-exact structural equality (dtype, shape, values; NaN-safe through the bytes)."""
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and a.stride() == b.stride() and bytes(a.contiguous().view(torch.uint8).flatten().numpy())
-                == bytes(b.contiguous().view(torch.uint8).flatten().numpy()))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
+    """Bit-exact equality, the test suite's one (helpers.states_equal): structure, dtype, shape,
+    stride, storage sharing and the bytes."""
+    return states_equal(a, b)
 
 
 def save_single(path: str) -> str:

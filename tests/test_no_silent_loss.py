@@ -37,7 +37,7 @@ def test_over_budget_save_waits_for_queued_ones(tmp_path):
     ck = fp.Checkpointer(str(tmp_path / "ck"), max_in_flight=2, snapshot_bytes=BUDGET, backend=backend)
     h1 = ck.save(1, replicated(1, SMALL))
     assert backend.holding.wait(30)
-    releaser = threading.Thread(target=lambda: (wait_until(lambda: len(ck._in_flight) == 2), backend.release()))
+    releaser = threading.Thread(target=lambda: (wait_until(lambda: len(ck.in_flight) == 2), backend.release()))
     releaser.start()
     h2 = ck.save(2, replicated(2, BIG))  # over budget: returns once committed
     releaser.join()

@@ -269,7 +269,11 @@ def clean_incomplete(roots: Sequence[str], backend: FileBackend) -> list[str]:
     def warn(path: str, e: OSError) -> None:
         logger.warning("could not remove %s: %s", path, e.strerror or e)
 
-    committed = {e.step for e in scan(roots[0], backend) if e.committed}
+    try:
+        committed = {e.step for e in scan(roots[0], backend) if e.committed}
+    except OSError as e:  # best effort: leftovers stay until a later start can list the root
+        warn(roots[0], e)
+        return removed
     for root in roots:
         try:
             names = backend.listdir(root)

@@ -54,17 +54,32 @@ class Coordinator:
             self._root_lock.acquire()
             if self.clean_start:
                 catalog.clean_incomplete(self.roots, self.backend)
+            self._read_commits()
+
+    def _read_commits(self) -> None:
+        """What is committed in the roots (for the timeline and retention). A root that cannot
+        be listed leaves it unknown, logged: the commit is then recorded without a sequence
+        (readers order it by its time) and retention waits for a later start."""
+        try:
             commits = {c.step: c for c in catalog.commits(self.roots[0], backend=self.backend)}
-            with self._lock:
-                self._commits = commits
+        except OSError as e:
+            logger.warning("cannot list %s (%s): this commit is ordered by its time and retention is off until "
+                           "the root can be listed", self.roots[0], e.strerror or e)
+            return
+        with self._lock:
+            self._commits = commits
 
     def commit(self, step: int, save_id: str, written: Sequence[RankReport],
                metadata: Mapping[str, Any] | None, layout: dtensor.Layout) -> None:
         """Write the manifest (the commit point), then point ``latest`` at it."""
+        if self._commits is None:
+            self._read_commits()
         with self._lock:
+            known = self._commits is not None
             commits = list((self._commits or {}).values())
         abandoned = timeline.abandoned_by(step, commits)
-        manifest = self._manifest(step, save_id, timeline.next_sequence(commits), written, metadata, layout)
+        sequence = timeline.next_sequence(commits) if known else 0
+        manifest = self._manifest(step, save_id, sequence, written, metadata, layout)
         step_path = os.path.join(self.roots[0], catalog.step_dir(step))
         # The commit point: the manifest is written last, after every rank's data is durable.
         catalog.write_atomic(step_path, mf.MANIFEST_NAME, manifest.to_json(), self.backend, events=True)

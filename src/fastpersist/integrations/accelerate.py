@@ -33,7 +33,8 @@ hooks belong to accelerate's own file layout (they receive its output directory)
 called.
 
 Not supported yet (a clear error): FSDP, DeepSpeed and Megatron-LM, whose state is sharded over
-processes; fastpersist's sharded-state support is not released.
+processes: the Checkpointer saves DTensor state, but this adapter does not hand it sharded
+state yet.
 """
 
 from __future__ import annotations
@@ -184,5 +185,5 @@ def _check_supported(accelerator: Accelerator) -> None:
     if any(kind == getattr(DistributedType, name, None) for name in _SHARDED):
         raise CheckpointError(
             f"fastpersist cannot checkpoint an Accelerator with distributed_type={kind}: its model and optimizer "
-            "state is sharded over processes, and fastpersist's sharded-state support is not released yet "
+            "state is sharded over processes, and this adapter does not yet hand sharded state to the Checkpointer "
             "(use accelerator.save_state for now)")

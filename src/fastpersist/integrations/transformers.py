@@ -237,6 +237,6 @@ def _check_supported(trainer: Trainer) -> None:
                               "(they rely on the Trainer's checkpoint directories); use the plain Trainer for them")
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         raise CheckpointError("FastPersistTrainer does not support DeepSpeed or FSDP yet: their state is sharded "
-                              "over ranks, and fastpersist's sharded-state support is not released")
+                              "over ranks, and this adapter does not yet hand sharded state to the Checkpointer")
     if args.push_to_hub:
         raise CheckpointError("FastPersistTrainer does not push checkpoints to the Hub (push_to_hub=True)")

@@ -12,41 +12,18 @@ Each write request sleeps DELAY_S, so a save spans many instants. It prints "rea
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 
 import torch
 
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.config import IOConfig
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.faults import Fault, FaultyBackend, HoldWrite
 
-NEVER_KILLED_S = 120.0  # the parent kills at once; past this the child exits 3 and the test fails
-
-
-class HoldMidSave(FaultyBackend):
-    """The faults, and the second data write request of one step's save held until the process
-    is killed (after telling the parent). A save has at least two: one data file per root."""
-
-    def __init__(self, faults: list[Fault], step: int) -> None:
-        super().__init__(faults)
-        self.marker = f"step-{step:08d}"
-        self.counting = threading.Lock()  # (not "lock": FileBackend.lock takes the root lock)
-        self.data_writes = 0
-
-    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
-        super().before_write(root, path, offset, nbytes)
-        if self.marker not in path or not path.endswith(".bin"):
-            return
-        with self.counting:
-            self.data_writes += 1
-            hold = self.data_writes == 2
-        if hold:
-            sys.stdout.write("holding\n")
-            sys.stdout.flush()
-            threading.Event().wait(NEVER_KILLED_S)
-            os._exit(3)
+def _holding() -> None:
+    """Tell the parent the save is held mid-write (it kills this process then)."""
+    sys.stdout.write("holding\n")
+    sys.stdout.flush()
 
 
 def state(step: int) -> dict:
@@ -63,7 +40,7 @@ def main() -> None:
     faults = [Fault("write", None, at=0, delay_s=delay)] if delay else []
     if point not in ("none", "mid-save"):
         faults.append(Fault("event", None, point=point, at=at, kill=True))
-    backend = HoldMidSave(faults, step=at) if point == "mid-save" else FaultyBackend(faults)
+    backend = HoldWrite(at, _holding, faults=faults) if point == "mid-save" else FaultyBackend(faults)
     config = IOConfig(chunk_bytes=64 * 1024, num_buffers=2, zero_copy_min_bytes=8192)
     ck = Checkpointer(roots, mode=mode, keep=3, backend=backend, config=config)
     param = torch.nn.Parameter(torch.zeros(1))

@@ -16,38 +16,13 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 import torch
 from torch import nn
 
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.io.backend import FileBackend
+from fastpersist.faults import HoldWrite
 from fastpersist.state import RNGState
-
-NEVER_KILLED_S = 120.0  # the parent kills at once; past this the child exits 3 and the test fails
-
-
-class HoldSecondWrite(FileBackend):
-    """Real files; the second write request to a data file of one step's checkpoint tells the
-    parent ("holding") and waits to be killed."""
-
-    def __init__(self, step: int) -> None:
-        self.marker = f"step-{step:08d}"
-        self.counting = threading.Lock()  # (not "lock": FileBackend.lock takes the root lock)
-        self.writes = 0
-
-    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
-        if self.marker not in path or not path.endswith(".bin"):
-            return
-        with self.counting:
-            self.writes += 1
-            hold = self.writes == 2
-        if hold:
-            print("holding", flush=True)
-            threading.Event().wait(NEVER_KILLED_S)
-            os._exit(3)
-
 
 class Data:
     """A stream of batches with its own generator: a stateful object in the checkpoint."""
@@ -75,7 +50,7 @@ def main() -> None:
     data, rng = Data(), RNGState()
     start, ck = 0, None
     if mode != "none":
-        backend = HoldSecondWrite(hold) if hold is not None else None
+        backend = HoldWrite(hold, lambda: print("holding", flush=True)) if hold is not None else None
         roots = [os.path.join(directory, "r0"), os.path.join(directory, "r1")]
         ck = Checkpointer(roots, mode=mode, keep=2, backend=backend)
         if mode == "overlap":

@@ -16,41 +16,20 @@ import argparse
 import json
 import os
 import sys
-import threading
 
 import torch
 
 from _bench.models import ModelSpec, build, train_step
-from fastpersist.catalog import step_dir
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.io.backend import FileBackend
+from fastpersist.faults import HoldWrite
 from fastpersist.state import RNGState
 
 STALLED = b"s"  # what the stalled writer sends
 
 
-class StallBackend(FileBackend):
-    """Real files; the ``at``-th write request to a data file of step ``step``'s checkpoint sends
-    :data:`STALLED` on ``signal_fd`` and then waits for ever (for the SIGKILL)."""
-
-    def __init__(self, step: int, signal_fd: int, at: int = 2) -> None:
-        super().__init__()
-        self.marker = os.sep + step_dir(step) + os.sep
-        self.signal_fd = signal_fd
-        self.at = at
-        self._seen = 0
-        self._lock = threading.Lock()
-        self._never = threading.Event()
-
-    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
-        if self.marker not in path or not path.endswith(".bin"):
-            return
-        with self._lock:
-            self._seen += 1
-            if self._seen != self.at:
-                return
-            os.write(self.signal_fd, STALLED)
-        self._never.wait()
+def _signal(fd: int) -> None:
+    """Tell the parent this process is held mid-write (it sends SIGKILL then)."""
+    os.write(fd, STALLED)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(1)  # the dropout stream starts here, on CPU and CUDA alike
     start, ck = 0, None
     if args.mode != "none":
-        backend = StallBackend(args.stall_at, args.signal_fd) if args.stall_at is not None else None
+        backend = HoldWrite(args.stall_at, lambda: _signal(args.signal_fd)) if args.stall_at is not None else None
         ck = Checkpointer(args.dir, mode="overlap", keep=2, backend=backend)
         ck.protect(opt)
         if args.resume and ck.latest_step() is not None:

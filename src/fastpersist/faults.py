@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fastpersist.io.backend import PROTOCOL_POINTS, FileBackend
@@ -125,3 +125,34 @@ class FaultyBackend(FileBackend):
 
     def before_read(self, path: str, offset: int | None, nbytes: int | None) -> None:
         self._hit("read", None, path)
+
+
+class HoldWrite(FaultyBackend):
+    """A :class:`FaultyBackend` that also stops the process in the middle of one save: the
+    ``at``-th write request to a data file of step ``step``'s checkpoint calls ``signal()`` (the
+    process tells whoever will kill it that it is mid-write: the earlier data is written, no
+    manifest exists) and then never returns. Crash tests and the demo SIGKILL the process on
+    that signal, so the kill lands mid-save every time, not by chance."""
+
+    def __init__(self, step: int, signal: Callable[[], None], at: int = 2, faults: Sequence[Fault] = ()) -> None:
+        super().__init__(faults)
+        self.marker = os.sep + f"step-{step:08d}" + os.sep
+        self.signal = signal
+        self.at = at
+        self._seen = 0
+        self._counting = threading.Lock()  # (not `_lock`: FaultyBackend's own)
+
+    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
+        super().before_write(root, path, offset, nbytes)
+        if self.marker not in path or not path.endswith(".bin"):
+            return
+        with self._counting:
+            self._seen += 1
+            hold = self._seen == self.at
+        if hold:
+            self.signal()
+            threading.Event().wait(_NEVER_KILLED_S)  # the SIGKILL comes first
+            os._exit(3)
+
+
+_NEVER_KILLED_S = 600.0  # a held process nobody kills exits (status 3) rather than hang for ever

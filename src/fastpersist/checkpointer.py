@@ -139,13 +139,13 @@ class Checkpointer:
         # Checkpointer is collected, or at exit: never left to the interpreter's teardown.
         close_comm = getattr(self.comm, "close", None) if comm is None else None
         self._close_comm = weakref.finalize(self, close_comm) if close_comm is not None else None
-        self.roots = self._check_roots_everywhere(paths)
+        self.roots, hosts = _roots_everywhere(self.comm, paths)
         self.mode = mode
         self.backend = backend or FileBackend()
         self._config = config
         self._view = CheckpointView(self.roots, config=config, backend=self.backend)
         self.history = History(history)  # metrics of recent saves, and totals
-        self.writer_ranks = writer_ranks(writers, self._hosts)
+        self.writer_ranks = writer_ranks(writers, hosts)
         self.check_replicated = bool(check_replicated)
         self._closed = False
         self._driver = SaveDriver(self._run, self._finished, self.comm, max_in_flight, when_busy)
@@ -158,25 +158,6 @@ class Checkpointer:
             self._coordinator, self.writer_ranks, len(self.roots), self.check_replicated,
             lambda: {j.step for j in self._driver.in_flight()})
         _at_exit(_finish_at_exit, weakref.ref(self))
-
-    def _check_roots_everywhere(self, paths: list[str]) -> list[str]:
-        """Check the roots on every rank; if any rank finds them unusable, every rank raises
-        (nobody is left waiting in a collective the others skipped). Also learns the hosts."""
-        error: Exception | None = None
-        roots = paths
-        try:
-            roots = check_roots(paths)
-        except (ValueError, CheckpointWriteError) as e:
-            error = e
-        outcomes = self.comm.all_gather((host_name(), error is None))
-        self._hosts = [h for h, _ in outcomes]
-        if error is not None:
-            raise error
-        bad = [r for r, (_, ok) in enumerate(outcomes) if not ok]
-        if bad:
-            raise CheckpointWriteError(f"the checkpoint roots {paths} cannot be used on rank(s) {bad}; see the "
-                                       "error raised there")
-        return roots
 
     @property
     def config(self) -> IOConfig:
@@ -366,6 +347,26 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """The most recently committed step (not necessarily the largest), or None."""
         return self._view.latest_step()
+
+
+def _roots_everywhere(comm: Comm, paths: list[str]) -> tuple[list[str], list[str]]:
+    """Check the roots on every rank; if any rank finds them unusable, every rank raises
+    (nobody is left waiting in a collective the others skipped). Returns the checked roots and
+    every rank's host name."""
+    error: Exception | None = None
+    roots = paths
+    try:
+        roots = check_roots(paths)
+    except (ValueError, CheckpointWriteError) as e:
+        error = e
+    outcomes = comm.all_gather((host_name(), error is None))
+    if error is not None:
+        raise error
+    bad = [r for r, (_, ok) in enumerate(outcomes) if not ok]
+    if bad:
+        raise CheckpointWriteError(f"the checkpoint roots {paths} cannot be used on rank(s) {bad}; see the "
+                                   "error raised there")
+    return roots, [h for h, _ in outcomes]
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> None:

@@ -397,6 +397,7 @@ def test_failed_deletion_in_retention_is_logged_and_loses_nothing(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         ck.save(1, replicated(1, SMALL))
         ck.save(2, replicated(2, SMALL))  # retention tries to delete 1 and fails
+        ck.wait()  # retention deletes in its own thread; wait() waits for it
     assert any("could not delete checkpoint step 1" in r.message for r in caplog.records)
     assert_state_equal(ck.load(1), replicated(1, SMALL))
     assert_state_equal(ck.load(2), replicated(2, SMALL))

@@ -24,10 +24,11 @@ import atexit
 import builtins
 import json
 import logging
+import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +38,9 @@ from fastpersist.config import IOConfig, get_config
 from fastpersist.coordinator import Coordinator
 from fastpersist.dist import Comm, default_comm, host_name, writer_ranks
 from fastpersist.driver import SaveDriver
+from fastpersist.durable.drain import Drainer
+from fastpersist.durable.store import open_store
+from fastpersist.durable.view import choose_tier, durable_view
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
@@ -91,6 +95,14 @@ class Checkpointer:
         timeout_s: how long a rank waits for the others in a collective.
         clean_start: remove incomplete checkpoints left by a crashed run at the first save.
         history: how many recent saves' metrics :attr:`history` keeps.
+        durable: a directory (shared filesystem) or ``s3://bucket/prefix`` URL (credentials
+            from the environment) that committed checkpoints are drained to in the background
+            (:mod:`fastpersist.durable`); :meth:`load` falls back to it for steps the local
+            roots lack; :meth:`close` finishes the drains in flight.
+        durable_every: drain the first checkpoint, then the first one at least this many
+            steps after the last drained (default 1). ``durable_keep``: the durable tier's
+            retention (None: keep all; its latest is never deleted). ``durable_bandwidth``:
+            bytes/s one rank's drain may move (None: unbounded).
 
     Raises:
         ValueError, TypeError: an argument is wrong (named in the message).
@@ -124,14 +136,12 @@ class Checkpointer:
         timeout_s: float = 600.0,
         clean_start: bool = True,
         history: int = 1000,
+        durable: str | os.PathLike[str] | None = None,
+        durable_every: int = 1,
+        durable_keep: int | None = None,
+        durable_bandwidth: float | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        _positive_int("max_in_flight", max_in_flight)
-        _positive_int("snapshot_bytes", snapshot_bytes, minimum=0)
-        _positive_int("history", history)
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        _check_arguments(mode, max_in_flight, snapshot_bytes, history, timeout_s)
         retention = Retention(keep, keep_every, abandoned)
         paths = root_list(roots)
         self.comm = comm if comm is not None else default_comm(timeout_s)
@@ -151,12 +161,16 @@ class Checkpointer:
         self._driver = SaveDriver(self._run, self._finished, self.comm, max_in_flight, when_busy)
         self._stager = Stager(snapshot_bytes, self.comm.rank)
         self._guard = OverlapGuard(self._driver.in_flight, self._driver.raise_failed)
-        self._coordinator = Coordinator(self.roots, self.backend, retention, self.comm.world_size, clean_start)
+        self._drainer = _drainer(durable, self.roots, self.comm.rank, durable_every, durable_keep, abandoned,
+                                 durable_bandwidth, timeout_s)
+        self._durable_view = durable_view(durable, config) if durable is not None else None
+        self._coordinator = Coordinator(self.roots, self.backend, retention, self.comm.world_size, clean_start,
+                                        self._drainer.known_commits if self._drainer is not None else None)
         self._protocol = SaveProtocol(
             self.comm, RankWriter(self.comm.rank, self.roots, self.backend, lambda: self.config,
                                   self.check_replicated and self.comm.world_size > 1),
             self._coordinator, self.writer_ranks, len(self.roots), self.check_replicated,
-            lambda: {j.step for j in self._driver.in_flight()})
+            lambda: {j.step for j in self._driver.in_flight()}, self._drainer)
         _at_exit(_finish_at_exit, weakref.ref(self))
 
     @property
@@ -284,11 +298,7 @@ class Checkpointer:
 
     def _log(self, m: SaveMetrics) -> None:
         self.history.append(m)
-        logger.info("checkpoint step %d committed (%s%s): %.1f MiB in %.3f s (%.2f GiB/s); training blocked %.1f ms "
-                    "(save %.1f + step %.1f); wrote %.1f MiB on this rank in %.3f s",
-                    m.step, m.mode, ", inline" if m.inline else "", m.bytes_total / 2**20, m.total_s,
-                    m.bytes_total / 2**30 / m.total_s if m.total_s > 0 else 0.0,
-                    m.blocked_s * 1e3, m.save_call_s * 1e3, m.step_wait_s * 1e3, m.bytes_written / 2**20, m.write_s)
+        logger.info("%s", m.summary())
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every checkpoint in flight (and the deletions retention started); raises
@@ -306,9 +316,8 @@ class Checkpointer:
         finally:
             self._driver.stop()
             self._guard.remove()
-            self._coordinator.close()
-            if self._close_comm is not None:
-                self._close_comm()
+            _close_all(self._drainer.close if self._drainer is not None else None, self._coordinator.close,
+                       self._close_comm)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -323,20 +332,24 @@ class Checkpointer:
              keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
              verify: bool | None = None) -> Any:
         """Load a checkpoint's state (sharded tensors resharded into ``into``'s DTensors); see
-        :meth:`CheckpointView.load`."""
-        return self._view.load(step, into, keys=keys, map_location=map_location, weights_only=weights_only,
-                               verify=verify)
+        :meth:`CheckpointView.load`. A step the local roots lack (new machines, lost disks) is
+        read from the durable tier, if there is one; ``"latest"`` is the most recent commit
+        of either."""
+        view, step = choose_tier(self._view, self._durable_view, step)
+        return view.load(step, into, keys=keys, map_location=map_location, weights_only=weights_only, verify=verify)
 
     def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,
                         verify: bool | None = None) -> Any:
         """Load the ``rank_state`` that ``rank`` (default: this rank) saved."""
-        return self._view.load_rank_state(step, into, rank=self.rank if rank is None else rank,
-                                          map_location=map_location, weights_only=weights_only, verify=verify)
+        view, step = choose_tier(self._view, self._durable_view, step)
+        return view.load_rank_state(step, into, rank=self.rank if rank is None else rank,
+                                    map_location=map_location, weights_only=weights_only, verify=verify)
 
     def metadata(self, step: int | str = "latest") -> dict[str, Any]:
         """The ``metadata`` saved with ``step``."""
-        return self._view.metadata(step)
+        view, step = choose_tier(self._view, self._durable_view, step)
+        return view.metadata(step)
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every checkpoint in the first root, committed or not, by step (after the deletions
@@ -367,6 +380,51 @@ def _roots_everywhere(comm: Comm, paths: list[str]) -> tuple[list[str], list[str
         raise CheckpointWriteError(f"the checkpoint roots {paths} cannot be used on rank(s) {bad}; see the "
                                    "error raised there")
     return roots, [h for h, _ in outcomes]
+
+
+def _close_all(*closers: Callable[[], object] | None) -> None:
+    """Call each closer in order, every one even if an earlier one raised (the first error is
+    raised at the end)."""
+    if not closers:
+        return
+    first, rest = closers[0], closers[1:]
+    try:
+        if first is not None:
+            first()
+    finally:
+        _close_all(*rest)
+
+
+def _check_arguments(mode: str, max_in_flight: int, snapshot_bytes: int, history: int, timeout_s: float) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    _positive_int("max_in_flight", max_in_flight)
+    _positive_int("snapshot_bytes", snapshot_bytes, minimum=0)
+    _positive_int("history", history)
+    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+
+def _drainer(durable: str | os.PathLike[str] | None, roots: list[str], rank: int, every: int, keep: int | None,
+             abandoned: str, bandwidth: float | None, timeout_s: float) -> Drainer | None:
+    """The durable tier's drain on this rank (None without a durable tier); arguments checked."""
+    _positive_int("durable_every", every)
+    if keep is not None:
+        _positive_int("durable_keep", keep)
+    if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+                                  or bandwidth <= 0):
+        raise ValueError(f"durable_bandwidth must be a positive number of bytes per second, got {bandwidth!r}")
+    if durable is None:
+        return None
+    store = open_store(durable)
+    if not store.url.startswith(("s3://", "s3a://")) and any(
+            os.path.realpath(store.url) == os.path.realpath(r) for r in roots):
+        raise ValueError(f"durable: {store.url} is one of the local roots; the durable tier must be elsewhere")
+    drainer = Drainer(store, roots, rank, every=every, keep=keep, abandoned=abandoned, bandwidth=bandwidth,
+                      timeout_s=timeout_s)
+    if rank == 0:
+        drainer.read_ahead()
+    return drainer
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> None:

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastpersist import catalog, dtensor, timeline
@@ -33,7 +33,7 @@ class Coordinator:
     """Rank 0's view of the roots: what is committed there, and how a new commit is made."""
 
     def __init__(self, roots: Sequence[str], backend: FileBackend, retention: Retention, world_size: int,
-                 clean_start: bool = True) -> None:
+                 clean_start: bool = True, elsewhere: Callable[[], list[timeline.Commit]] | None = None) -> None:
         self.roots = list(roots)
         self.backend = backend
         self.retention = retention
@@ -43,6 +43,10 @@ class Coordinator:
         self._lock = threading.Lock()
         self._root_lock = RootLock(self.roots[0], backend)
         self._commits: dict[int, timeline.Commit] | None = None  # read at the first save
+        # The commits of the durable tier, read once: commit sequences continue after them, so
+        # that a job restarted on empty disks from a drained checkpoint keeps one commit order.
+        self._elsewhere = elsewhere
+        self._sequence_floor = 0
 
     def start(self, step: int) -> None:
         """Before a save's first byte: let a deletion of ``step`` finish; at the first save,
@@ -66,6 +70,9 @@ class Coordinator:
             logger.warning("cannot list %s (%s): this commit is ordered by its time and retention is off until "
                            "the root can be listed", self.roots[0], e.strerror or e)
             return
+        if self._elsewhere is not None:
+            self._sequence_floor = max((c.sequence for c in self._elsewhere()), default=0)
+            self._elsewhere = None
         with self._lock:
             self._commits = commits
 
@@ -78,7 +85,7 @@ class Coordinator:
             known = self._commits is not None
             commits = list((self._commits or {}).values())
         abandoned = timeline.abandoned_by(step, commits)
-        sequence = timeline.next_sequence(commits) if known else 0
+        sequence = max(timeline.next_sequence(commits), self._sequence_floor + 1) if known else 0
         manifest = self._manifest(step, save_id, sequence, written, metadata, layout)
         step_path = os.path.join(self.roots[0], catalog.step_dir(step))
         # The commit point: the manifest is written last, after every rank's data is durable.

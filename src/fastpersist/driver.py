@@ -71,6 +71,7 @@ class SaveDriver:
         metrics = completion.handle.metrics
         if self.when_busy == "skip":
             metrics.skipped = True
+            completion.not_drained()
             completion.finish()
             logger.info("checkpoint step %d skipped: %d still in flight", metrics.step, self.max_in_flight)
             return False

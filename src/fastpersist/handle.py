@@ -47,6 +47,14 @@ class SaveMetrics:
     def blocked_s(self) -> float:
         return self.save_call_s + self.step_wait_s
 
+    def summary(self) -> str:
+        """The line logged when the checkpoint is committed."""
+        rate = self.bytes_total / 2**30 / self.total_s if self.total_s > 0 else 0.0
+        return (f"checkpoint step {self.step} committed ({self.mode}{', inline' if self.inline else ''}): "
+                f"{self.bytes_total / 2**20:.1f} MiB in {self.total_s:.3f} s ({rate:.2f} GiB/s); training blocked "
+                f"{self.blocked_s * 1e3:.1f} ms (save {self.save_call_s * 1e3:.1f} + step {self.step_wait_s * 1e3:.1f}); "
+                f"wrote {self.bytes_written / 2**20:.1f} MiB on this rank in {self.write_s:.3f} s")
+
     @property
     def gbps(self) -> float:
         return self.bytes_total / self.total_s / 1e9 if self.total_s > 0 else 0.0
@@ -58,6 +66,10 @@ class SaveHandle:
     def __init__(self, metrics: SaveMetrics) -> None:
         self.metrics = metrics
         self.staged: cf.Future[None] = cf.Future()  # training may modify the saved tensors
+        # The drain to the durable tier: True once this rank's part is there (rank 0: once the
+        # durable copy is committed), False when the step is not drained (no durable tier, not
+        # due, the save failed); the drain's error if it failed. Never raised by save/wait.
+        self.durable: cf.Future[bool] = cf.Future()
         self._committed: cf.Future[SaveMetrics] = cf.Future()
         self._reported = False  # the error was raised to the caller once already
 
@@ -133,10 +145,17 @@ class Completion:
             wrapped.__cause__ = error
             error = wrapped
         self.staged()
+        if error is not None:
+            self.not_drained()
         if error is None:
             handle._committed.set_result(handle.metrics)
         else:
             handle._committed.set_exception(error)
+
+    def not_drained(self) -> None:
+        """This checkpoint will not be drained to the durable tier (idempotent)."""
+        if not self.handle.durable.done():
+            self.handle.durable.set_result(False)
 
     @property
     def error(self) -> BaseException | None:

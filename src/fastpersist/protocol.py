@@ -13,6 +13,9 @@ raises everywhere and nobody waits in a collective the others skipped):
 3. (coordinator) commit (:class:`~fastpersist.coordinator.Coordinator`): the manifest built
    from every rank's report is written last, atomically and durably; then ``latest``.
 
+After the commit, a step due for the durable tier is queued for each rank's drain thread
+(:mod:`fastpersist.durable.drain`: no collective, nothing waits for it).
+
 If step 2 or 3 fails anywhere, no manifest exists, ``latest`` is unchanged, and each rank removes
 the files it wrote for this save id. After the commit the coordinator removes files of an
 earlier save of the same step and applies retention (best effort: never fails the save).
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from fastpersist import catalog, dtensor
 from fastpersist.dist import Comm, agree
+from fastpersist.durable.drain import Drainer, drain_files
 from fastpersist.errors import CheckpointError, CheckpointWriteError
 from fastpersist.format import manifest as mf
 from fastpersist.job import SaveJob
@@ -81,8 +85,10 @@ class SaveProtocol:
     """Runs the protocol for one job at a time (in the save driver's worker, or inline)."""
 
     def __init__(self, comm: Comm, writer: RankWriter, coordinator: Coordinator, writer_ranks: list[int],
-                 roots: int, check_replicated: bool, in_flight: Callable[[], set[int]]) -> None:
+                 roots: int, check_replicated: bool, in_flight: Callable[[], set[int]],
+                 drainer: Drainer | None = None) -> None:
         self.comm = comm
+        self.drainer = drainer  # the durable tier's, if there is one
         self._in_flight = in_flight  # the steps of the jobs in flight (retention spares them)
         self.writer = writer
         self.coordinator = coordinator
@@ -110,18 +116,37 @@ class SaveProtocol:
                 check_replicas(job.step, [w.digests for w in written], p.replicated, job.state)
                 check_replicated_chunks(job.step, [w.chunk_digests for w in written], [c.key for c in p.layout.chunks])
             agree(self.comm, f"committing checkpoint step {job.step}",
-                  lambda: self.coordinator.commit(job.step, p.save_id, written, job.metadata, p.layout)
-                  if self.rank == 0 else None)
+                  lambda: self._commit(job, p, written) if self.rank == 0 else None)
         except CheckpointError:
+            if self.drainer is not None and self.rank == 0:
+                self.drainer.forget(job.step)
             if not self.coordinator.is_committed(job.step, p.save_id):  # after the commit point, files stay
                 catalog.remove_files(self.writer.roots, job.step, f"{p.save_id}-", self.writer.backend, prune=True)
             raise
         self._account(job, written)
+        self._drain(job, p, written)
         if self.rank == 0:
             try:
-                self.coordinator.after_commit(job.step, written, self._in_flight())
+                pending = self.drainer.pending() if self.drainer is not None else set()
+                self.coordinator.after_commit(job.step, written, self._in_flight() | pending)
             except Exception as e:  # noqa: BLE001 - committed: a cleanup failure must not fail the save
                 logger.warning("checkpoint step %d is committed; cleaning up after it failed: %s", job.step, e)
+
+    def _commit(self, job: SaveJob, p: SavePlan, written: list[RankReport]) -> None:
+        """Step 3 on rank 0. A step due for the durable tier is marked first, so that retention
+        and the drain's clean-up spare it from the moment any rank can learn of its commit."""
+        if self.drainer is not None and self.drainer.due(job.step):
+            self.drainer.expect(job.step)
+        self.coordinator.commit(job.step, p.save_id, written, job.metadata, p.layout)
+
+    def _drain(self, job: SaveJob, p: SavePlan, written: list[RankReport]) -> None:
+        """After the commit, on every rank: queue this rank's part of the drain, if due."""
+        if self.drainer is None or not self.drainer.due(job.step):
+            job.completion.not_drained()
+            return
+        writers = [r for r, w in enumerate(written) if w.reports]
+        self.drainer.submit(job.step, p.save_id, drain_files(written[self.rank].reports), writers,
+                            job.completion.handle.durable)
 
     def _propose(self, job: SaveJob) -> Proposal:
         """Step 1 on this rank: serialize the state (unless staging did), propose."""

@@ -461,5 +461,14 @@ def checkpoint_dirs(step_path: str, other_roots: Sequence[str] = (), option: str
 
 def open(roots: Roots, *, config: IOConfig | None = None,  # noqa: A001 - fastpersist.open
          backend: FileBackend | None = None) -> CheckpointView:
-    """Read-only access to the checkpoints under ``roots``; see :class:`CheckpointView`."""
+    """Read-only access to the checkpoints under ``roots``; see :class:`CheckpointView`.
+
+    ``roots`` may also be a durable tier in object storage (an ``s3://bucket/prefix`` URL):
+    the view then lists and loads what was drained there (see
+    :class:`fastpersist.durable.view.DurableView`; same methods). A durable tier in a
+    directory is a checkpoint root like any other."""
+    if isinstance(roots, str) and "://" in roots:
+        from fastpersist.durable.view import DurableView
+
+        return DurableView(roots, config=config)  # type: ignore[return-value]
     return CheckpointView(roots, config=config, backend=backend)

@@ -1,0 +1,225 @@
+"""Reading the durable tier: ``fastpersist.open("s3://bucket/prefix")``.
+
+A durable copy is a one-root checkpoint (see :mod:`fastpersist.durable.drain`). In a directory
+(a shared filesystem) it is read in place by a :class:`~fastpersist.view.CheckpointView`. In
+object storage, :class:`DurableView` lists the manifests there and, to load or verify a step,
+fetches its objects (ranged reads, several in flight) into a private local directory, reads it
+with the same loader (every checksum verified, any world size, resharding, ``keys=``) and
+removes the directory. Errors name the objects, not the local copy.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastpersist import catalog, timeline
+from fastpersist.config import IOConfig
+from fastpersist.durable.drain import read_commits
+from fastpersist.durable.store import DirStore, Store, open_store
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from fastpersist.format import manifest as mf
+from fastpersist.io.backend import FileBackend
+from fastpersist.objects.verify import Problem
+from fastpersist.view import CheckpointInfo, CheckpointView, TensorInfo, tensor_infos
+
+logger = logging.getLogger(__name__)
+
+FETCH_THREADS = 8
+
+
+class DurableView:
+    """Read-only access to the checkpoints drained to object storage.
+
+    Args:
+        location: an ``s3://bucket/prefix`` URL (endpoint and credentials from the client's
+            standard environment) or a :class:`~fastpersist.durable.store.Store`.
+        config: I/O settings for reading the fetched copy.
+        staging: the local directory fetched checkpoints pass through (default: the system's
+            temporary directory); each load removes its copy when it ends.
+    """
+
+    def __init__(self, location: str | Store, *, config: IOConfig | None = None, staging: str | None = None) -> None:
+        self.store = open_store(location)
+        self.url = self.store.url
+        self.roots = [self.url]
+        self._config = config
+        self.staging = staging
+
+    def _commits(self) -> dict[int, timeline.Commit]:
+        return {c.step: c for c in read_commits(self.store)}
+
+    def latest_step(self) -> int | None:
+        return timeline.latest(self._commits().values())
+
+    def _resolve(self, step: int | str) -> int:
+        if step == "latest":
+            found = self.latest_step()
+            if found is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.url}")
+            return found
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be a non-negative integer or 'latest', got {step!r}")
+        return step
+
+    def manifest(self, step: int | str = "latest") -> mf.Manifest:
+        s = self._resolve(step)
+        key = f"{catalog.step_dir(s)}/{mf.MANIFEST_NAME}"
+        try:
+            raw = self.store.get(key, mf.MAX_MANIFEST_BYTES)
+        except CheckpointNotFoundError as e:
+            raise CheckpointNotFoundError(f"no committed checkpoint step {s} in {self.url} ({e})") from e
+        return mf.parse(self.store.where(key), raw)
+
+    def metadata(self, step: int | str = "latest") -> dict[str, Any]:
+        return dict(self.manifest(step).user)
+
+    def tensors(self, step: int | str = "latest") -> builtins.list[TensorInfo]:
+        return tensor_infos(self.manifest(step))
+
+    def list(self) -> builtins.list[CheckpointInfo]:
+        """Every checkpoint in the durable tier, by step (incomplete drains too, not committed)."""
+        keys = self.store.list("")
+        steps = sorted({s for k in keys if (s := catalog.parse_step_dir(k.split("/", 1)[0])) is not None})
+        manifests: dict[int, mf.Manifest] = {}
+        for s in steps:
+            if f"{catalog.step_dir(s)}/{mf.MANIFEST_NAME}" in keys:
+                try:
+                    manifests[s] = self.manifest(s)
+                except CheckpointError:
+                    continue
+        commits = [timeline.Commit(s, m.sequence, m.created) for s, m in manifests.items()]
+        dead, latest = timeline.abandoned_steps(commits), timeline.latest(commits)
+        out = []
+        for s in steps:
+            path = self.store.where(catalog.step_dir(s))
+            m = manifests.get(s)
+            out.append(CheckpointInfo(s, path, False) if m is None else
+                       CheckpointInfo(s, path, True, s == latest, m.nbytes, len(m.files), m.created, m.world_size,
+                                      tuple(sorted(m.objects)), s in dead, m.sequence))
+        return out
+
+    # ------------------------------------------------------------------------------------
+    # reading a step: fetched, then read like a local checkpoint
+
+    def fetch(self, step: int | str, root: str | os.PathLike[str]) -> int:
+        """Copy a durable checkpoint into the local checkpoint root ``root`` (its manifest
+        written last, so an interrupted fetch is an incomplete checkpoint); returns its step."""
+        manifest = self.manifest(step)
+        d = os.path.join(os.fspath(root), catalog.step_dir(manifest.step))
+        os.makedirs(d, exist_ok=True)
+        jobs = [(f.name, f.size) for f in manifest.files]
+        errors: builtins.list[BaseException] = []
+        lock = threading.Lock()
+
+        def one(item: tuple[str, int]) -> None:
+            name, size = item
+            key = f"{catalog.step_dir(manifest.step)}/{name}"
+            try:
+                fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                try:
+                    pos = 0
+                    for data in self.store.chunks(key, size):
+                        view = memoryview(data)
+                        while view:
+                            n = os.pwrite(fd, view, pos)
+                            view, pos = view[n:], pos + n
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except BaseException as e:  # noqa: BLE001 - gathered, the first is raised
+                with lock:
+                    errors.append(e)
+
+        with ThreadPoolExecutor(max_workers=min(FETCH_THREADS, max(1, len(jobs))),
+                                thread_name_prefix="fastpersist-fetch") as ex:
+            list(ex.map(one, sorted(jobs, key=lambda j: -j[1])))
+        if errors:
+            e = errors[0]
+            if isinstance(e, CheckpointNotFoundError):
+                raise CorruptCheckpointError(f"{e}: checkpoint step {manifest.step} lists it") from e
+            if isinstance(e, CheckpointError):
+                raise e
+            raise CheckpointError(f"cannot fetch checkpoint step {manifest.step} from {self.url}: {e}") from e
+        catalog.write_atomic(d, mf.MANIFEST_NAME, manifest.to_json(), FileBackend())
+        return manifest.step
+
+    @contextlib.contextmanager
+    def _fetched(self, step: int | str) -> Iterator[tuple[CheckpointView, str]]:
+        top = tempfile.mkdtemp(prefix=".fastpersist-tmp-fetch-", dir=self.staging)
+        try:
+            s = self.fetch(step, top)
+            local = os.path.join(top, catalog.step_dir(s))
+            try:
+                yield CheckpointView(top, config=self._config), local
+            except CheckpointError as e:  # name the objects, not the private copy
+                raise type(e)(str(e).replace(local, self.store.where(catalog.step_dir(s)))) from e
+        finally:
+            shutil.rmtree(top, ignore_errors=True)
+
+    def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
+             keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
+             verify: bool | None = None) -> Any:
+        """Load a drained checkpoint (see :meth:`fastpersist.view.CheckpointView.load`)."""
+        with self._fetched(step) as (view, _):
+            return view.load("latest", into, keys=keys, map_location=map_location, weights_only=weights_only,
+                             verify=verify)
+
+    def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
+                        rank: int | None = None, map_location: Any = None, weights_only: bool = True,
+                        verify: bool | None = None) -> Any:
+        with self._fetched(step) as (view, _):
+            return view.load_rank_state("latest", into, rank=rank, map_location=map_location,
+                                        weights_only=weights_only, verify=verify)
+
+    def verify(self, step: int | str = "latest", *,
+               progress: Callable[[int], None] | None = None) -> builtins.list[Problem]:
+        """Fetch ``step`` and check every checksum; the problems found, naming the objects."""
+        try:
+            with self._fetched(step) as (view, local):
+                problems = view.verify("latest", progress=progress)
+                where = self.store.where(os.path.basename(local))
+                return [Problem(p.path.replace(local, where), p.what, p.offset, p.message.replace(local, where))
+                        for p in problems]
+        except CorruptCheckpointError as e:
+            return [Problem(self.url, "file", None, str(e))]
+
+
+
+def durable_view(durable: str | os.PathLike[str] | Store, config: IOConfig | None) -> CheckpointView | DurableView:
+    """Read-only access to a durable tier: a directory is a checkpoint root like any other."""
+    store = open_store(durable)
+    if isinstance(store, DirStore):
+        return CheckpointView(store.url, config=config)
+    return DurableView(store, config=config)
+
+
+def choose_tier(local: CheckpointView, durable: CheckpointView | DurableView | None,
+                step: int | str) -> tuple[CheckpointView | DurableView, int | str]:
+    """The view that holds ``step`` (the local roots', else the durable tier's), and the step
+    to ask it for: for ``"latest"``, the most recent commit of either tier (commit sequences
+    continue across tiers, see :class:`fastpersist.coordinator.Coordinator`)."""
+    if durable is None:
+        return local, step
+    if step == "latest":
+        here, there = local.latest_step(), durable.latest_step()
+        if there is None or (here is not None and local.manifest(here).sequence >= durable.manifest(there).sequence):
+            return local, step
+        logger.info("loading checkpoint step %d from the durable tier %s (the local roots' latest is %s)", there,
+                    durable.roots[0], here)
+        return durable, there
+    try:
+        local.manifest(step)
+        return local, step
+    except CheckpointNotFoundError:
+        logger.info("checkpoint step %s is not in the local roots: loading it from the durable tier %s", step,
+                    durable.roots[0])
+        return durable, step

@@ -39,7 +39,7 @@ from fastpersist.coordinator import Coordinator
 from fastpersist.dist import Comm, default_comm, host_name, writer_ranks
 from fastpersist.driver import SaveDriver
 from fastpersist.durable.drain import Drainer
-from fastpersist.durable.store import open_store
+from fastpersist.durable.store import Store, open_store
 from fastpersist.durable.view import choose_tier, durable_view
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
@@ -136,7 +136,7 @@ class Checkpointer:
         timeout_s: float = 600.0,
         clean_start: bool = True,
         history: int = 1000,
-        durable: str | os.PathLike[str] | None = None,
+        durable: str | os.PathLike[str] | Store | None = None,
         durable_every: int = 1,
         durable_keep: int | None = None,
         durable_bandwidth: float | None = None,
@@ -405,7 +405,7 @@ def _check_arguments(mode: str, max_in_flight: int, snapshot_bytes: int, history
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
 
 
-def _drainer(durable: str | os.PathLike[str] | None, roots: list[str], rank: int, every: int, keep: int | None,
+def _drainer(durable: str | os.PathLike[str] | Store | None, roots: list[str], rank: int, every: int, keep: int | None,
              abandoned: str, bandwidth: float | None, timeout_s: float) -> Drainer | None:
     """The durable tier's drain on this rank (None without a durable tier); arguments checked."""
     _positive_int("durable_every", every)

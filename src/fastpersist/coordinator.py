@@ -130,10 +130,15 @@ class Coordinator:
         step in ``protected``: those in flight). Deletions are best effort."""
         keep = {(r.root, r.name) for w in written for r in w.reports}
         catalog.remove_files(self.roots, step, "", self.backend, keep=keep)
+        self.retain(protected | {step})
+
+    def retain(self, protected: set[int]) -> None:
+        """Apply retention (never to a step in ``protected``); after a commit, and when a
+        drain to the durable tier ends (the local copy it kept may go now)."""
         with self._lock:
             if self._commits is None:
                 return
-            protected = protected | {step} | self.janitor.deleting()
+            protected = protected | self.janitor.deleting()
             victims = self.retention.to_delete(list(self._commits.values()), protected)
             gone = {old: self._commits.pop(old) for old in victims}
         if gone:

@@ -89,6 +89,8 @@ class SaveProtocol:
                  drainer: Drainer | None = None) -> None:
         self.comm = comm
         self.drainer = drainer  # the durable tier's, if there is one
+        if drainer is not None and comm.rank == 0:  # a local copy a drain held back may go when it ends
+            drainer.ended = lambda: coordinator.retain(in_flight() | drainer.pending())
         self._in_flight = in_flight  # the steps of the jobs in flight (retention spares them)
         self.writer = writer
         self.coordinator = coordinator

@@ -470,5 +470,5 @@ def open(roots: Roots, *, config: IOConfig | None = None,  # noqa: A001 - fastpe
     if isinstance(roots, str) and "://" in roots:
         from fastpersist.durable.view import DurableView
 
-        return DurableView(roots, config=config)  # type: ignore[return-value]
+        return DurableView(roots, config=config)
     return CheckpointView(roots, config=config, backend=backend)

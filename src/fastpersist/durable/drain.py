@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -142,6 +142,8 @@ class Drainer:
         self._executor: cf.ThreadPoolExecutor | None = None
         self._commits: dict[int, timeline.Commit] | None = None  # rank 0: the durable tier's
         self._read: cf.Future[dict[int, timeline.Commit]] | None = None
+        # called (rank 0, drain thread) when a drain ends: the local retention it held back may run
+        self.ended: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------------------------
     # the save's side (in the save driver's worker)
@@ -240,6 +242,11 @@ class Drainer:
             task.future.set_exception(e)
         finally:
             self.forget(task.step)
+            if self.ended is not None:
+                try:
+                    self.ended()
+                except Exception as e:  # noqa: BLE001 - retention is best effort
+                    logger.warning("retention after the drain of checkpoint step %d failed: %s", task.step, e)
 
     def _upload_all(self, task: DrainTask) -> int:
         throttle = Throttle(self.bandwidth)

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from datetime import timedelta
 from collections.abc import Iterator
 from typing import Any
 
-from fastpersist.errors import CheckpointError, CheckpointNotFoundError
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from fastpersist.io.files import fsync_dir
 
 PART_BYTES = 8 << 20  # the size of one uploaded part, and of one read when downloading
+# S3 error codes that mean the credentials (or the signature made with them) were refused
+_REFUSED = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken")
 
 
 class StoreError(CheckpointError):
@@ -193,7 +196,7 @@ class DirStore(Store):
             while pos < size:
                 data = os.pread(fd, min(PART_BYTES, size - pos), pos)
                 if not data:
-                    raise StoreError(f"{path} is truncated: {pos} bytes, {size} expected")
+                    raise CorruptCheckpointError(f"{path} is truncated: {pos} bytes, {size} expected")
                 pos += len(data)
                 yield data
         finally:
@@ -263,10 +266,16 @@ class S3Store(Store):
     def _fail(self, what: str, key: str, e: BaseException) -> CheckpointError:
         import obstore.exceptions as ox
 
-        if isinstance(e, ox.NotFoundError):
+        if isinstance(e, (FileNotFoundError, ox.NotFoundError)):  # obstore >= 0.12 raises the built-in
             return CheckpointNotFoundError(f"{self.where(key)} does not exist")
-        reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)):
+        text = str(e)
+        code, message = re.search(r"<Code>(.*?)</Code>", text), re.search(r"<Message>(.*?)</Message>", text)
+        if code is not None:  # the server's own words, not the first line of an XML document
+            reason = f"{code.group(1)}: {message.group(1) if message else ''}".rstrip(": ")
+        else:
+            reason = text.splitlines()[0][:300] if text else type(e).__name__
+        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or \
+                (code is not None and code.group(1) in _REFUSED):
             reason = f"the credentials were refused ({reason})"
         return StoreError(f"cannot {what} {self.where(key)} (endpoint {self.endpoint}): {reason}")
 
@@ -327,7 +336,8 @@ class S3Store(Store):
             except Exception as e:  # noqa: BLE001
                 raise self._fail("read", key, e) from e
             if len(data) != n:
-                raise StoreError(f"{self.where(key)}: {len(data)} bytes read at offset {pos}, {n} expected")
+                raise CorruptCheckpointError(f"{self.where(key)} is truncated: {len(data)} bytes read at offset "
+                                             f"{pos}, {n} expected")
             pos += n
             yield bytes(data)
 
@@ -349,7 +359,7 @@ class S3Store(Store):
 
         try:
             obstore.delete(self._client, key)
-        except ox.NotFoundError:
+        except (FileNotFoundError, ox.NotFoundError):
             return
         except Exception as e:  # noqa: BLE001
             raise self._fail("delete", key, e) from e

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 FETCH_THREADS = 8
 
 
-class DurableView:
+class DurableView(CheckpointView):
     """Read-only access to the checkpoints drained to object storage.
 
     Args:
@@ -52,6 +52,7 @@ class DurableView:
         self.url = self.store.url
         self.roots = [self.url]
         self._config = config
+        self.backend = FileBackend()  # for the fetched copy
         self.staging = staging
 
     def _commits(self) -> dict[int, timeline.Commit]:
@@ -110,10 +111,31 @@ class DurableView:
     # ------------------------------------------------------------------------------------
     # reading a step: fetched, then read like a local checkpoint
 
-    def fetch(self, step: int | str, root: str | os.PathLike[str]) -> int:
+    def missing(self, manifest: mf.Manifest) -> builtins.list[Problem]:
+        """The objects of ``manifest`` that are missing or shorter than it lists (one listing)."""
+        prefix = catalog.step_dir(manifest.step)
+        have = self.store.list(f"{prefix}/")
+        out = []
+        for f in manifest.files:
+            key = f"{prefix}/{f.name}"
+            size = have.get(key)
+            if size is None or size < f.size:
+                out.append(Problem(self.store.where(key), "file", None,
+                                   "missing: the checkpoint lists it" if size is None else
+                                   f"truncated: {size} bytes, the manifest says {f.size}"))
+        return out
+
+    def fetch(self, step: int | str, root: str | os.PathLike[str], *,
+              progress: Callable[[int], None] | None = None) -> int:
         """Copy a durable checkpoint into the local checkpoint root ``root`` (its manifest
-        written last, so an interrupted fetch is an incomplete checkpoint); returns its step."""
+        written last, so an interrupted fetch is an incomplete checkpoint); returns its step.
+        ``progress``, if given, hears the byte count of each piece downloaded (from several
+        threads). A missing or short object is a CorruptCheckpointError naming it."""
         manifest = self.manifest(step)
+        problems = self.missing(manifest)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CorruptCheckpointError(f"{problems[0].path} is {problems[0].message}{more}")
         d = os.path.join(os.fspath(root), catalog.step_dir(manifest.step))
         os.makedirs(d, exist_ok=True)
         jobs = [(f.name, f.size) for f in manifest.files]
@@ -132,6 +154,8 @@ class DurableView:
                         while view:
                             n = os.pwrite(fd, view, pos)
                             view, pos = view[n:], pos + n
+                        if progress is not None:
+                            progress(len(data))
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -144,7 +168,7 @@ class DurableView:
             list(ex.map(one, sorted(jobs, key=lambda j: -j[1])))
         if errors:
             e = errors[0]
-            if isinstance(e, CheckpointNotFoundError):
+            if isinstance(e, CheckpointNotFoundError):  # deleted since the listing
                 raise CorruptCheckpointError(f"{e}: checkpoint step {manifest.step} lists it") from e
             if isinstance(e, CheckpointError):
                 raise e
@@ -153,10 +177,11 @@ class DurableView:
         return manifest.step
 
     @contextlib.contextmanager
-    def _fetched(self, step: int | str) -> Iterator[tuple[CheckpointView, str]]:
+    def _fetched(self, step: int | str,
+                 progress: Callable[[int], None] | None = None) -> Iterator[tuple[CheckpointView, str]]:
         top = tempfile.mkdtemp(prefix=".fastpersist-tmp-fetch-", dir=self.staging)
         try:
-            s = self.fetch(step, top)
+            s = self.fetch(step, top, progress=progress)
             local = os.path.join(top, catalog.step_dir(s))
             try:
                 yield CheckpointView(top, config=self._config), local
@@ -168,10 +193,28 @@ class DurableView:
     def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
              keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
              verify: bool | None = None) -> Any:
-        """Load a drained checkpoint (see :meth:`fastpersist.view.CheckpointView.load`)."""
-        with self._fetched(step) as (view, _):
-            return view.load("latest", into, keys=keys, map_location=map_location, weights_only=weights_only,
-                             verify=verify)
+        """Load a drained checkpoint (see :meth:`fastpersist.view.CheckpointView.load`).
+
+        For ``"latest"``, a checkpoint found damaged (a checksum that fails, an object missing
+        or truncated) is reported in the log and the next older one of the live timeline is
+        loaded instead; the error names every step tried when none loads. A step asked for
+        by number is that step or an error."""
+        steps: builtins.list[int | str] = [step] if step != "latest" else \
+            builtins.list(reversed(timeline.live_steps(self._commits().values())))
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.url}")
+        errors: builtins.list[str] = []
+        for s in steps:
+            try:
+                with self._fetched(s) as (view, _):
+                    return view.load("latest", into, keys=keys, map_location=map_location,
+                                     weights_only=weights_only, verify=verify)
+            except CorruptCheckpointError as e:
+                if step != "latest":
+                    raise
+                errors.append(str(e))
+                logger.warning("durable checkpoint step %s cannot be loaded: %s; trying the next older one", s, e)
+        raise CorruptCheckpointError(f"no checkpoint of {self.url} could be loaded: {'; '.join(errors)}")
 
     def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,
@@ -182,15 +225,16 @@ class DurableView:
 
     def verify(self, step: int | str = "latest", *,
                progress: Callable[[int], None] | None = None) -> builtins.list[Problem]:
-        """Fetch ``step`` and check every checksum; the problems found, naming the objects."""
-        try:
-            with self._fetched(step) as (view, local):
-                problems = view.verify("latest", progress=progress)
-                where = self.store.where(os.path.basename(local))
-                return [Problem(p.path.replace(local, where), p.what, p.offset, p.message.replace(local, where))
-                        for p in problems]
-        except CorruptCheckpointError as e:
-            return [Problem(self.url, "file", None, str(e))]
+        """Fetch ``step`` and check every checksum; the problems found, naming the objects.
+        ``progress`` hears the bytes downloaded."""
+        missing = self.missing(self.manifest(step))
+        if missing:
+            return missing
+        with self._fetched(step, progress) as (view, local):
+            problems = view.verify("latest")
+            where = self.store.where(os.path.basename(local))
+            return [Problem(p.path.replace(local, where), p.what, p.offset, p.message.replace(local, where))
+                    for p in problems]
 
 
 

@@ -1,0 +1,265 @@
+"""The durable tier: committed checkpoints drained behind the local roots, and read back.
+
+Most cases use a durable *directory* (a shared filesystem's role, real files); the cases that
+need object storage run against real S3-compatible servers started by the suite
+(tests/test_durable_s3.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist.durable.store import DirStore, StoreError
+from fastpersist.errors import ChecksumMismatchError, CheckpointNotFoundError, CorruptCheckpointError
+from helpers import assert_state_equal, fsdp_mlp, gathered, per_rank, replicated, run_ranks
+
+SMALL = 300_000
+
+
+class HeldStore(DirStore):
+    """A real durable directory whose uploads of keys containing ``hold`` wait for release()."""
+
+    def __init__(self, path: str, hold: str = "") -> None:
+        super().__init__(path)
+        self.hold = hold
+        self.holding = threading.Event()
+        self.released = threading.Event()
+
+    def put_file(self, key, chunks, size):  # type: ignore[no-untyped-def]
+        if self.hold and self.hold in key and not self.released.is_set():
+            self.holding.set()
+            if not self.released.wait(60):
+                raise TimeoutError("the test never released the held upload")
+        super().put_file(key, chunks, size)
+
+
+class FailingStore(DirStore):
+    """A real durable directory whose first ``failures`` uploads fail (EIO)."""
+
+    def __init__(self, path: str, failures: int) -> None:
+        super().__init__(path)
+        self.failures = failures
+        self.calls = 0
+
+    def put_file(self, key, chunks, size):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise StoreError(f"cannot write {self.where(key)}: {os.strerror(errno.EIO)} (injected)")
+        super().put_file(key, chunks, size)
+
+
+def durable_steps(path: str) -> list[int]:
+    return [i.step for i in fp.open(path).list() if i.committed]
+
+
+# ---------------------------------------------------------------------------------------------
+# drained, then read with no local root left
+
+
+def test_drained_checkpoint_loads_without_the_local_roots(tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    durable = str(tmp_path / "durable")
+    ck = fp.Checkpointer(roots, mode="snapshot", durable=durable)
+    handles = [ck.save(s, replicated(s, SMALL), rank_state=per_rank(s, 0), metadata={"s": s}) for s in (1, 2)]
+    ck.close()
+    assert [h.durable.result(0) for h in handles] == [True, True]
+    for r in roots:
+        shutil.rmtree(r)
+    view = fp.open(durable)  # a durable directory is a checkpoint root like any other
+    assert durable_steps(durable) == [1, 2] and view.latest_step() == 2
+    assert_state_equal(view.load(1), replicated(1, SMALL))
+    assert_state_equal(view.load_rank_state(2, rank=0), per_rank(2, 0))
+    assert view.metadata(2) == {"s": 2} and view.verify(2) == []
+    m = view.manifest(2)
+    assert m.roots == 1 and {f.root for f in m.files} == {0}
+    assert any(f.name.startswith("root1-") for f in m.files)  # the second root's files, renamed into one directory
+
+    # a Checkpointer on new, empty roots falls back to the durable tier, then goes on
+    ck = fp.Checkpointer(roots, mode="sync", durable=durable)
+    assert_state_equal(ck.load(), replicated(2, SMALL))
+    assert_state_equal(ck.load(1), replicated(1, SMALL))
+    with pytest.raises(CheckpointNotFoundError):
+        ck.load(7)
+    ck.save(3, replicated(3, SMALL))
+    ck.close()
+    # commit order continues across the tiers: the new machine's first commit comes after
+    # everything drained before it
+    assert fp.open(roots).manifest(3).sequence > view.manifest(2).sequence
+    assert fp.open(durable).latest_step() == 3
+
+
+def test_latest_is_the_most_recent_commit_of_either_tier(tmp_path):
+    roots, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    ck = fp.Checkpointer(roots, mode="sync", durable=durable, durable_every=10)
+    assert ck.save(1, replicated(1, SMALL)).durable.result(30) is True
+    assert ck.save(2, replicated(2, SMALL)).durable.result(0) is False  # not due: local only
+    assert durable_steps(durable) == [1]
+    assert_state_equal(ck.load(), replicated(2, SMALL))
+    ck.close()
+
+
+def _ranks_save_sharded(rank: int, world: int, roots: list[str], durable: str) -> dict:
+    torch.manual_seed(0)
+    model, opt = fsdp_mlp(world)
+    model(torch.randn(4, 48)).sum().backward()
+    opt.step()
+    ck = fp.Checkpointer(roots, mode="snapshot", durable=durable)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 5}
+    h = ck.save(5, state, rank_state={"rank": rank})
+    ck.close()
+    return {"drained": h.durable.result(0), "state": gathered(state)}
+
+
+def test_ranks_drain_their_own_files_and_it_loads_at_another_world_size(tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    durable = str(tmp_path / "durable")
+    results = run_ranks(tmp_path, 2, _ranks_save_sharded, roots, durable)
+    assert [r["drained"] for r in results] == [True, True]
+    for r in roots:
+        shutil.rmtree(r)
+    m = fp.open(durable).manifest(5)
+    assert m.world_size == 2 and m.sharded  # DTensor chunks written by their owners, drained by them
+    loaded = gathered(fp.open(durable).load(5))  # world size 1: whole tensors, resharded
+    assert loaded.keys() == results[0]["state"].keys()
+    for k, v in results[0]["state"].items():
+        assert_state_equal(loaded[k], v)
+    assert fp.open(durable).load_rank_state(5, rank=1) == {"rank": 1}
+    assert not [k for k in DirStore(durable).list() if "_drain" in k]  # the ranks' markers are gone
+
+
+# ---------------------------------------------------------------------------------------------
+# the drain's checks and failures never touch training
+
+
+def test_damaged_local_copy_is_never_uploaded(tmp_path):
+    root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    store = HeldStore(durable, hold="replicated-0000")
+    ck = fp.Checkpointer(root, mode="sync", durable=store)
+    h = ck.save(1, replicated(1, SMALL))
+    assert store.holding.wait(30)  # the skeleton is up; the data file's upload waits
+    data = next(os.path.join(root, "step-00000001", f) for f in os.listdir(os.path.join(root, "step-00000001"))
+                if f.endswith("replicated-0000.bin"))
+    with open(data, "r+b") as f:  # the local disk damages a byte before the drain reads it
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    store.released.set()
+    with pytest.raises(ChecksumMismatchError, match="replicated-0000.bin"):
+        h.durable.result(30)
+    assert durable_steps(durable) == []  # nothing damaged was committed there
+    ck.close()  # a failed drain is not a failed save
+
+
+def test_failed_upload_is_retried(tmp_path, caplog):
+    root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    store = FailingStore(durable, failures=1)
+    ck = fp.Checkpointer(root, mode="sync", durable=store)
+    with caplog.at_level(logging.INFO, logger="fastpersist"):
+        h = ck.save(1, replicated(1, SMALL))
+        assert h.durable.result(60) is True
+    assert any("again in" in r.getMessage() for r in caplog.records)
+    assert_state_equal(fp.open(durable).load(1), replicated(1, SMALL))
+    ck.close()
+
+
+def test_a_drain_that_keeps_failing_never_fails_training(tmp_path, caplog):
+    root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    store = FailingStore(durable, failures=10**9)
+    ck = fp.Checkpointer(root, mode="snapshot", durable=store, keep=1)
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        handles = [ck.save(s, replicated(s, SMALL)) for s in (1, 2)]
+        ck.close()  # finishes the drains; their failures are logged, not raised
+    for h in handles:
+        assert h.result() is not None
+        with pytest.raises(StoreError, match="injected"):
+            h.durable.result(0)
+    assert any("could not be drained" in r.getMessage() for r in caplog.records)
+    assert_state_equal(fp.open(root).load(), replicated(2, SMALL))
+    assert durable_steps(durable) == []
+
+
+def test_local_copy_is_kept_until_its_drain_ends(tmp_path):
+    root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    store = HeldStore(durable, hold="step-00000001/")
+    ck = fp.Checkpointer(root, mode="sync", durable=store, keep=1)
+    h1 = ck.save(1, replicated(1, SMALL))
+    assert store.holding.wait(30)
+    later = [ck.save(s, replicated(s, SMALL)) for s in (2, 3)]
+    # keep=1, but step 1 is still being drained and step 2 waits for its turn: both stay
+    assert [i.step for i in ck.list()] == [1, 2, 3]
+    store.released.set()
+    assert [h.durable.result(60) for h in [h1, *later]] == [True, True, True]
+    ck.save(4, replicated(4, SMALL))  # retention applies to them again
+    ck.wait()
+    assert [i.step for i in ck.list()] == [4]
+    ck.close()
+    assert durable_steps(durable) == [1, 2, 3, 4]
+
+
+def test_durable_every_and_durable_keep(tmp_path):
+    root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    ck = fp.Checkpointer(root, mode="sync", durable=durable, durable_every=3, durable_keep=2)
+    handles = {s: ck.save(s, replicated(s, SMALL)) for s in range(1, 9)}
+    ck.close()
+    drained = {s for s, h in handles.items() if h.durable.result(0)}
+    assert drained == {1, 4, 7}
+    assert durable_steps(durable) == [4, 7]  # durable_keep=2
+    # a new timeline (a resume from step 2): drained at once, and the latest durable step is
+    # never deleted by the durable tier's retention
+    ck = fp.Checkpointer(root, mode="sync", durable=durable, durable_keep=1)
+    ck.save(3, replicated(30, SMALL))
+    ck.close()
+    assert fp.open(durable).latest_step() == 3
+    assert_state_equal(fp.open(durable).load(), replicated(30, SMALL))
+    assert 3 in durable_steps(durable)
+
+
+def test_damaged_durable_checkpoint_falls_back_to_an_older_one(tmp_path, caplog):
+    root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    ck = fp.Checkpointer(root, mode="sync", durable=durable)
+    for s in (1, 2):
+        ck.save(s, replicated(s, SMALL))
+    ck.close()
+    m = fp.open(durable).manifest(2)
+    extent = m.objects["replicated"].storages[0].extents[0]
+    data = m.files[extent.file].name
+    with open(os.path.join(durable, "step-00000002", data), "r+b") as f:
+        f.seek(extent.offset + 7)
+        b = f.read(1)
+        f.seek(extent.offset + 7)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ChecksumMismatchError, match=data):
+        fp.open(durable).load(2)
+    assert fp.open(durable).verify(2)
+    shutil.rmtree(root)
+    ck = fp.Checkpointer(root, mode="sync", durable=durable)
+    with pytest.raises(CorruptCheckpointError, match=data):  # asked for by number: that step or an error
+        ck.load(2)
+    ck.close()
+
+
+def test_arguments_are_checked(tmp_path):
+    root = str(tmp_path / "ck")
+    with pytest.raises(ValueError, match="durable_every"):
+        fp.Checkpointer(root, durable=str(tmp_path / "d"), durable_every=0)
+    with pytest.raises(TypeError, match="durable_keep"):
+        fp.Checkpointer(root, durable=str(tmp_path / "d"), durable_keep=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="durable_bandwidth"):
+        fp.Checkpointer(root, durable=str(tmp_path / "d"), durable_bandwidth=0)
+    with pytest.raises(ValueError, match="one of the local roots"):
+        fp.Checkpointer(root, durable=root)
+    with pytest.raises(ValueError, match="only directories and s3://"):
+        fp.Checkpointer(root, durable="gs://bucket/x")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        fp.Checkpointer(root, durable=str(tmp_path / "file"))
+

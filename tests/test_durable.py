@@ -42,7 +42,7 @@ class HeldStore(DirStore):
 
 
 class FailingStore(DirStore):
-    """A real durable directory whose first ``failures`` uploads fail (EIO)."""
+    """A real durable directory whose first ``failures`` uploads of checkpoint files fail (EIO)."""
 
     def __init__(self, path: str, failures: int) -> None:
         super().__init__(path)
@@ -50,8 +50,9 @@ class FailingStore(DirStore):
         self.calls = 0
 
     def put_file(self, key, chunks, size):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        if self.calls <= self.failures:
+        if "/_drain/" not in key:
+            self.calls += 1
+        if "/_drain/" not in key and self.calls <= self.failures:
             raise StoreError(f"cannot write {self.where(key)}: {os.strerror(errno.EIO)} (injected)")
         super().put_file(key, chunks, size)
 
@@ -133,6 +134,23 @@ def test_ranks_drain_their_own_files_and_it_loads_at_another_world_size(tmp_path
         assert_state_equal(loaded[k], v)
     assert fp.open(durable).load_rank_state(5, rank=1) == {"rank": 1}
     assert not [k for k in DirStore(durable).list() if "_drain" in k]  # the ranks' markers are gone
+
+
+def _ranks_one_fails(rank: int, world: int, root: str, durable: str) -> str:
+    store = FailingStore(durable, failures=10**9) if rank == 1 else DirStore(durable)
+    ck = fp.Checkpointer(root, mode="sync", durable=store, timeout_s=120)
+    h = ck.save(1, replicated(1, SMALL))
+    ck.close()
+    error = h.durable.exception(0)
+    return f"{type(error).__name__}: {error}"
+
+
+def test_a_rank_whose_part_fails_fails_the_durable_commit_at_once(tmp_path):
+    durable = str(tmp_path / "durable")
+    results = run_ranks(tmp_path, 2, _ranks_one_fails, str(tmp_path / "ck"), durable)
+    assert "rank 1 could not upload its part" in results[0] and "injected" in results[0]
+    assert "StoreError" in results[1]
+    assert durable_steps(durable) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,3 +281,31 @@ def test_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         fp.Checkpointer(root, durable=str(tmp_path / "file"))
 
+
+
+_EXIT_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+import fastpersist as fp
+from helpers import replicated
+from test_durable import HeldStore
+store = HeldStore({durable!r}, hold="step-00000002/")
+ck = fp.Checkpointer({root!r}, mode="snapshot", durable=store)
+ck.save(1, replicated(1, {small}))
+ck.save(2, replicated(2, {small}))
+store.holding.wait(60)
+store.released.set()
+# returns from main with step 2's drain in flight and no close()
+"""
+
+
+def test_drain_in_flight_at_exit_is_finished(tmp_path):
+    import subprocess
+    import sys
+
+    root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    code = _EXIT_CHILD.format(tests=os.path.dirname(__file__), root=root, durable=durable, small=SMALL)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert durable_steps(durable) == [1, 2]
+    assert_state_equal(fp.open(durable).load(2), replicated(2, SMALL))

@@ -44,6 +44,7 @@ from fastpersist.objects.write import FileReport
 logger = logging.getLogger(__name__)
 
 DRAIN_DIR = "_drain"
+FAILED = ".failed"  # a rank's marker that its part of the drain failed (holds the error)
 ATTEMPTS = 3  # uploads of one file before the drain of a step fails
 BACKOFF_S = (1.0, 5.0)
 
@@ -231,12 +232,17 @@ class Drainer:
             elif task.files:
                 marker = json.dumps({"rank": self.rank, "files": [[durable_name(f.root, f.name), f.size]
                                                                   for f in task.files]}).encode()
-                self.store.put(f"{catalog.step_dir(task.step)}/{DRAIN_DIR}/{task.save_id}.rank-{self.rank}", marker)
+                self.store.put(self._marker(task, self.rank), marker)
             dt = time.perf_counter() - t0
             logger.info("checkpoint step %d drained to %s: %.1f MiB from this rank in %.2f s%s", task.step,
                         self.store.url, nbytes / 2**20, dt, " (committed there)" if self.rank == 0 else "")
             task.future.set_result(True)
         except BaseException as e:  # noqa: BLE001 - reported on the handle and logged, never raised
+            if self.rank != 0 and task.files:  # rank 0 stops waiting for this rank's part (best effort)
+                try:
+                    self.store.put(self._marker(task, self.rank) + FAILED, str(e).encode()[:4096])
+                except Exception:  # noqa: BLE001 - rank 0 then waits until its timeout
+                    pass
             logger.warning("checkpoint step %d could not be drained to the durable tier %s: %s; it stays committed "
                            "locally, and a later step is drained when due", task.step, self.store.url, e)
             task.future.set_exception(e)
@@ -247,6 +253,10 @@ class Drainer:
                     self.ended()
                 except Exception as e:  # noqa: BLE001 - retention is best effort
                     logger.warning("retention after the drain of checkpoint step %d failed: %s", task.step, e)
+
+    @staticmethod
+    def _marker(task: DrainTask, rank: int) -> str:
+        return f"{catalog.step_dir(task.step)}/{DRAIN_DIR}/{task.save_id}.rank-{rank}"
 
     def _upload_all(self, task: DrainTask) -> int:
         throttle = Throttle(self.bandwidth)
@@ -320,13 +330,17 @@ class Drainer:
         local = catalog.read_manifest(os.path.join(self.roots[0], d))
         if local.save_id != task.save_id:
             raise CheckpointError(f"checkpoint step {task.step} was saved again before its drain finished")
-        want = {f"{DRAIN_DIR}/{task.save_id}.rank-{r}" for r in task.writers if r != 0}
+        want = {self._marker(task, r) for r in task.writers if r != 0}
         deadline = time.monotonic() + self.timeout_s
         pause = 0.05
         while True:
             present = self.store.list(f"{d}/")
-            names = {k[len(d) + 1:]: size for k, size in present.items()}
-            missing = want - set(names)
+            failed = sorted(k for k in present if k.endswith(FAILED) and task.save_id in k)
+            if failed:
+                why = self.store.get(failed[0], 4096).decode(errors="replace")
+                raise CheckpointError(f"checkpoint step {task.step}: rank {_rank(failed[0][:-len(FAILED)])} could "
+                                      f"not upload its part: {why}")
+            missing = want - set(present)
             if not missing:
                 break
             if time.monotonic() > deadline:
@@ -335,6 +349,7 @@ class Drainer:
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
         manifest = durable_manifest(local)
+        names = {k[len(d) + 1:]: size for k, size in present.items()}
         for entry in manifest.files:
             if names.get(entry.name) != entry.size:
                 have = names.get(entry.name)

@@ -129,7 +129,7 @@ _KILL_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("trial", range(3))
+@pytest.mark.parametrize("trial", [*range(3), *(pytest.param(t, marks=pytest.mark.long) for t in range(3, 15))])
 def test_drain_killed_at_a_random_instant_never_looks_complete(seaweed, tmp_path, monkeypatch, trial):
     url = bucket(seaweed, monkeypatch)
     root = str(tmp_path / "ck")

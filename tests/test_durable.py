@@ -223,6 +223,30 @@ def test_local_copy_is_kept_until_its_drain_ends(tmp_path):
     assert durable_steps(durable) == [1, 2, 3, 4]
 
 
+def _nice_of_thread(prefix: str) -> int:
+    thread = next((t for t in threading.enumerate() if t.name.startswith(prefix)), None)
+    if thread is None:
+        raise AssertionError(f"no thread named {prefix}*")
+    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19 of stat: nice
+
+
+@pytest.mark.parametrize("nice", [10, 17])
+def test_the_drain_runs_at_a_lower_cpu_priority(tmp_path, nice):
+    store = HeldStore(str(tmp_path / "durable"), hold="step-00000001/")
+    with fp.configure(drain_nice=nice):
+        ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync", durable=store)
+    h = ck.save(1, replicated(1, SMALL))
+    assert store.holding.wait(30)
+    try:
+        assert _nice_of_thread("fastpersist-drain") == nice
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # training's threads are untouched
+    finally:
+        store.released.set()
+    assert h.durable.result(60) is True
+    ck.close()
+
+
 def test_durable_every_and_durable_keep(tmp_path):
     root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
     ck = fp.Checkpointer(root, mode="sync", durable=durable, durable_every=3, durable_keep=2)

@@ -39,7 +39,7 @@ from fastpersist.coordinator import Coordinator
 from fastpersist.dist import Comm, default_comm, host_name, writer_ranks
 from fastpersist.driver import SaveDriver
 from fastpersist.durable.drain import Drainer
-from fastpersist.durable.store import Store, open_store
+from fastpersist.durable.store import DirStore, Store, open_store
 from fastpersist.durable.view import choose_tier, durable_view
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
@@ -162,7 +162,7 @@ class Checkpointer:
         self._stager = Stager(snapshot_bytes, self.comm.rank)
         self._guard = OverlapGuard(self._driver.in_flight, self._driver.raise_failed)
         self._drainer = _drainer(durable, self.roots, self.comm.rank, durable_every, durable_keep, abandoned,
-                                 durable_bandwidth, timeout_s)
+                                 durable_bandwidth, timeout_s, self.config.drain_nice)
         self._durable_view = durable_view(durable, config) if durable is not None else None
         self._coordinator = Coordinator(self.roots, self.backend, retention, self.comm.world_size, clean_start,
                                         self._drainer.known_commits if self._drainer is not None else None)
@@ -406,7 +406,7 @@ def _check_arguments(mode: str, max_in_flight: int, snapshot_bytes: int, history
 
 
 def _drainer(durable: str | os.PathLike[str] | Store | None, roots: list[str], rank: int, every: int, keep: int | None,
-             abandoned: str, bandwidth: float | None, timeout_s: float) -> Drainer | None:
+             abandoned: str, bandwidth: float | None, timeout_s: float, nice: int) -> Drainer | None:
     """The durable tier's drain on this rank (None without a durable tier); arguments checked."""
     _positive_int("durable_every", every)
     if keep is not None:
@@ -417,11 +417,11 @@ def _drainer(durable: str | os.PathLike[str] | Store | None, roots: list[str], r
     if durable is None:
         return None
     store = open_store(durable)
-    if not store.url.startswith(("s3://", "s3a://")) and any(
+    if isinstance(store, DirStore) and any(
             os.path.realpath(store.url) == os.path.realpath(r) for r in roots):
         raise ValueError(f"durable: {store.url} is one of the local roots; the durable tier must be elsewhere")
     drainer = Drainer(store, roots, rank, every=every, keep=keep, abandoned=abandoned, bandwidth=bandwidth,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, nice=nice)
     if rank == 0:
         drainer.read_ahead()
     return drainer

@@ -10,6 +10,7 @@ environment variable that overrides it::
     FASTPERSIST_READ_CHUNK_MB size of one read request (MiB)
     FASTPERSIST_DIRECT        auto | on | off   (O_DIRECT; auto falls back to buffered I/O)
     FASTPERSIST_VERIFY        1 | 0             (verify checksums on load by default)
+    FASTPERSIST_DRAIN_NICE    0..19             (the durable tier's drain thread's CPU niceness)
 
 :func:`configure` changes the process-wide defaults and doubles as a context manager that
 restores the previous ones.
@@ -48,6 +49,9 @@ class IOConfig:
     # A CPU storage whose memory is aligned for O_DIRECT is written straight from its memory,
     # without a copy through the pool, when it is at least this large.
     zero_copy_min_bytes: int = 1 * MiB
+    # The niceness of the durable tier's drain thread (Linux, per thread): its CPU share against
+    # training's threads. 0 drains at training's priority; 19 only when the CPU is otherwise idle.
+    drain_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
@@ -61,6 +65,8 @@ class IOConfig:
         for name in ("num_buffers", "writer_threads", "reader_threads"):
             if getattr(self, name) < 1:
                 raise CheckpointError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.drain_nice <= 19:
+            raise CheckpointError(f"drain_nice must be in 0..19, got {self.drain_nice}")
         if self.direct not in _DIRECT_MODES:
             raise CheckpointError(f"direct must be one of {_DIRECT_MODES}, got {self.direct!r}")
 
@@ -77,6 +83,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
         "FASTPERSIST_WRITERS": ("writer_threads", 1),
         "FASTPERSIST_READERS": ("reader_threads", 1),
         "FASTPERSIST_READ_CHUNK_MB": ("read_chunk_bytes", MiB),
+        "FASTPERSIST_DRAIN_NICE": ("drain_nice", 1),
     }
     out: dict[str, object] = {}
     for var, (field, scale) in ints.items():

@@ -129,7 +129,7 @@ class Drainer:
     """One Checkpointer's drain on one rank: a queue and a thread."""
 
     def __init__(self, store: Store, roots: Sequence[str], rank: int, *, every: int, keep: int | None,
-                 abandoned: str, bandwidth: float | None, timeout_s: float) -> None:
+                 abandoned: str, bandwidth: float | None, timeout_s: float, nice: int = 10) -> None:
         self.store = store
         self.roots = list(roots)
         self.rank = rank
@@ -137,6 +137,7 @@ class Drainer:
         self.retention = timeline.Retention(keep, None, abandoned)
         self.bandwidth = bandwidth
         self.timeout_s = timeout_s
+        self.nice = nice
         self._last: int | None = None  # the last step found due
         self._lock = threading.Lock()
         self._active: set[int] = set()  # steps expected, queued or draining here
@@ -180,7 +181,7 @@ class Drainer:
     def _thread(self) -> cf.ThreadPoolExecutor:
         if self._executor is None:  # under self._lock
             self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="fastpersist-drain",
-                                                   initializer=_lower_priority)
+                                                   initializer=_lower_priority, initargs=(self.nice,))
         return self._executor
 
     def read_ahead(self) -> None:
@@ -414,10 +415,10 @@ def _quietly(fn: object, key: str) -> None:
         logger.warning("%s", e)
 
 
-def _lower_priority() -> None:
+def _lower_priority(nice: int) -> None:
     """The drain thread runs at a lower CPU priority than training (Linux: per thread)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.durable.store import S3Store, StoreError
+from fastpersist.durable.store import S3Store, StoreAccessError
 from fastpersist.errors import ChecksumMismatchError
 from helpers import assert_state_equal, fsdp_mlp, gathered, replicated, run_ranks
 from s3servers import skip_reason, start_moto, start_seaweedfs
@@ -196,7 +196,7 @@ def test_wrong_credentials_fail_the_drain_clearly_and_training_goes_on(seaweed, 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync", durable=url)
     h1 = ck.save(1, replicated(1, SMALL))
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(StoreAccessError, match="credentials were refused") as err:
         h1.durable.result(120)
     assert seaweed.endpoint in str(err.value) and url in str(err.value)
     assert ck.save(2, replicated(2, SMALL)).result() is not None  # training and local saves go on

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import xxhash
 
 from fastpersist import catalog, timeline
-from fastpersist.durable.store import PART_BYTES, Store, StoreError
+from fastpersist.durable.store import PART_BYTES, Store, StoreAccessError, StoreError
 from fastpersist.errors import ChecksumMismatchError, CheckpointError
 from fastpersist.format import manifest as mf
 from fastpersist.objects.write import FileReport
@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 DRAIN_DIR = "_drain"
 FAILED = ".failed"  # a rank's marker that its part of the drain failed (holds the error)
-ATTEMPTS = 3  # uploads of one file before the drain of a step fails
-BACKOFF_S = (1.0, 5.0)
+ATTEMPTS = 5  # uploads of one file before the drain of a step fails (a server restart takes a while)
+BACKOFF_S = (1.0, 5.0, 15.0, 30.0)
 
 
 def durable_name(root: int, name: str) -> str:
@@ -266,8 +266,8 @@ class Drainer:
                 try:
                     self._upload(task, f, throttle)
                     break
-                except (ChecksumMismatchError, FileNotFoundError):
-                    raise  # the local copy is damaged or gone: another attempt reads the same
+                except (ChecksumMismatchError, FileNotFoundError, StoreAccessError):
+                    raise  # the local copy is damaged or gone, or the credentials refused: no retry helps
                 except (StoreError, OSError, CheckpointError) as e:
                     if attempt + 1 == ATTEMPTS:
                         raise

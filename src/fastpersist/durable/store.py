@@ -39,6 +39,11 @@ class StoreError(CheckpointError):
     """An operation on the durable location failed (the message names the location and why)."""
 
 
+class StoreAccessError(StoreError):
+    """The durable location refused the credentials: trying again will not help (the drain
+    does not retry it; a later step's drain tries anew)."""
+
+
 class Store:
     """The durable location: whole objects under keys (``/``-separated, relative)."""
 
@@ -276,7 +281,8 @@ class S3Store(Store):
             reason = text.splitlines()[0][:300] if text else type(e).__name__
         if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError)) or \
                 (code is not None and code.group(1) in _REFUSED):
-            reason = f"the credentials were refused ({reason})"
+            return StoreAccessError(f"cannot {what} {self.where(key)} (endpoint {self.endpoint}): the credentials "
+                                    f"were refused ({reason})")
         return StoreError(f"cannot {what} {self.where(key)} (endpoint {self.endpoint}): {reason}")
 
     def put_file(self, key: str, chunks: Iterator[bytes], size: int) -> None:

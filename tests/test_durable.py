@@ -335,3 +335,14 @@ def test_drain_in_flight_at_exit_is_finished(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert durable_steps(durable) == [1, 2]
     assert_state_equal(fp.open(durable).load(2), replicated(2, SMALL))
+
+
+def test_a_fetch_left_in_a_root_by_a_crash_is_removed_at_the_clean_start(tmp_path):
+    root = tmp_path / "ck"
+    left = root / ".fastpersist-tmp-fetch-abc123" / "step-00000004"
+    left.mkdir(parents=True)
+    (left / "data.bin").write_bytes(b"x" * 100)
+    ck = fp.Checkpointer(str(root), mode="sync")
+    ck.save(1, replicated(1, SMALL))
+    ck.close()
+    assert sorted(os.listdir(root)) == [".fastpersist.lock", "latest", "step-00000001"]

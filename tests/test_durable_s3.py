@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -234,3 +235,21 @@ def test_retention_on_both_tiers_keeps_the_latest_durable_step(moto, tmp_path, m
     assert committed(url) == [5, 7]
     assert fp.open(url).latest_step() == 7
     assert not [k for k in S3Store(url).list() if not k.startswith(("step-00000005/", "step-00000007/"))]
+
+
+def test_fallback_fetches_through_the_first_root_and_leaves_nothing(moto, tmp_path, monkeypatch):
+    url = bucket(moto, monkeypatch)
+    root = tmp_path / "ck"
+    ck = fp.Checkpointer(str(root), mode="sync", durable=url, keep=1)
+    ck.save(1, replicated(1, SMALL)).durable.result(60)
+    ck.save(2, replicated(2, SMALL)).durable.result(60)
+    ck.close()
+    assert [i.step for i in fp.open(str(root)).list()] == [2]
+    seen: list[str] = []
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: seen.append(kw.get("dir")) or real_mkdtemp(**kw))
+    ck = fp.Checkpointer(str(root), mode="sync", durable=url)
+    assert_state_equal(ck.load(1), replicated(1, SMALL))  # only in the durable tier
+    ck.close()
+    assert seen == [str(root)]
+    assert not [n for n in os.listdir(root) if "fastpersist-tmp" in n]

@@ -291,8 +291,11 @@ def clean_incomplete(roots: Sequence[str], backend: FileBackend) -> list[str]:
                         if TEMP_SUFFIX in f:
                             backend.unlink(os.path.join(path, f))
                             removed.append(os.path.join(path, f))
-                elif TEMP_SUFFIX in name:
-                    backend.unlink(path)
+                elif TEMP_SUFFIX in name:  # a temporary file, or a durable fetch's staging directory
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        backend.rmtree(path, warn)
+                    else:
+                        backend.unlink(path)
                     removed.append(path)
             except OSError as e:
                 warn(path, e)

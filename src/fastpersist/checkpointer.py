@@ -163,7 +163,7 @@ class Checkpointer:
         self._guard = OverlapGuard(self._driver.in_flight, self._driver.raise_failed)
         self._drainer = _drainer(durable, self.roots, self.comm.rank, durable_every, durable_keep, abandoned,
                                  durable_bandwidth, timeout_s, self.config.drain_nice)
-        self._durable_view = durable_view(durable, config) if durable is not None else None
+        self._durable_view = durable_view(durable, config, self.roots[0]) if durable is not None else None
         self._coordinator = Coordinator(self.roots, self.backend, retention, self.comm.world_size, clean_start,
                                         self._drainer.known_commits if self._drainer is not None else None)
         self._protocol = SaveProtocol(

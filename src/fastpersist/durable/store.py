@@ -19,18 +19,31 @@ are written against it, so both kinds of location behave alike.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import os
 import re
 import secrets
 from datetime import timedelta
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from fastpersist.io.files import fsync_dir
 
-PART_BYTES = 8 << 20  # the size of one uploaded part, and of one read when downloading
+PART_BYTES = 8 << 20  # the size of one uploaded part (at least), and of one read when downloading
+UPLOADS_IN_FLIGHT = 4  # parts of one multipart upload in flight (8 and 12 measured no faster here)
+READS_IN_FLIGHT = 8  # ranged reads of one object in flight
+MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
+
+
+def part_bytes(size: int) -> int:
+    """The part size for an object of ``size`` bytes: PART_BYTES, or more (whole MiB) so that
+    it fits in MAX_PARTS parts (8 MiB parts would cap an object at 78 GiB)."""
+    need = -(-size // MAX_PARTS)
+    return max(PART_BYTES, -(-need // (1 << 20)) << 20)
 # S3 error codes that mean the credentials (or the signature made with them) were refused
 _REFUSED = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken")
 
@@ -292,7 +305,7 @@ class S3Store(Store):
             if size <= PART_BYTES:
                 obstore.put(self._client, key, b"".join(chunks), use_multipart=False)
             else:
-                obstore.put(self._client, key, chunks, chunk_size=PART_BYTES, max_concurrency=4)
+                obstore.put(self._client, key, chunks, chunk_size=part_bytes(size), max_concurrency=UPLOADS_IN_FLIGHT)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -332,20 +345,37 @@ class S3Store(Store):
         return data
 
     def chunks(self, key: str, size: int) -> Iterator[bytes]:
+        """Ranged reads of PART_BYTES, READS_IN_FLIGHT at once, yielded in order (one stream
+        of back-to-back ranges reads at ~0.6 of what 8 in flight reach: docs/BENCHMARKS.md)."""
+        parts = [(pos, min(PART_BYTES, size - pos)) for pos in range(0, size, PART_BYTES)]
+        if not parts:
+            return
+        with ThreadPoolExecutor(min(READS_IN_FLIGHT, len(parts)), thread_name_prefix="fastpersist-get") as ex:
+            window: collections.deque[Future[bytes]] = collections.deque()
+            todo = iter(parts)
+            try:
+                for part in itertools.islice(todo, READS_IN_FLIGHT):
+                    window.append(ex.submit(self._range, key, *part))
+                while window:
+                    data = window.popleft().result()
+                    for part in itertools.islice(todo, 1):
+                        window.append(ex.submit(self._range, key, *part))
+                    yield data
+            finally:
+                for f in window:
+                    f.cancel()
+
+    def _range(self, key: str, pos: int, n: int) -> bytes:
         import obstore
 
-        pos = 0
-        while pos < size:
-            n = min(PART_BYTES, size - pos)
-            try:
-                data = obstore.get_range(self._client, key, start=pos, length=n)
-            except Exception as e:  # noqa: BLE001
-                raise self._fail("read", key, e) from e
-            if len(data) != n:
-                raise CorruptCheckpointError(f"{self.where(key)} is truncated: {len(data)} bytes read at offset "
-                                             f"{pos}, {n} expected")
-            pos += n
-            yield bytes(data)
+        try:
+            data = obstore.get_range(self._client, key, start=pos, length=n)
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("read", key, e) from e
+        if len(data) != n:
+            raise CorruptCheckpointError(f"{self.where(key)} is truncated: {len(data)} bytes read at offset "
+                                         f"{pos}, {n} expected")
+        return bytes(data)
 
     def list(self, prefix: str = "") -> dict[str, int]:
         import obstore

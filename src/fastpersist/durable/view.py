@@ -43,8 +43,9 @@ class DurableView(CheckpointView):
         location: an ``s3://bucket/prefix`` URL (endpoint and credentials from the client's
             standard environment) or a :class:`~fastpersist.durable.store.Store`.
         config: I/O settings for reading the fetched copy.
-        staging: the local directory fetched checkpoints pass through (default: the system's
-            temporary directory); each load removes its copy when it ends.
+        staging: the local directory fetched checkpoints pass through, if it exists (default:
+            the system's temporary directory; a Checkpointer passes its first root); each load
+            removes its copy when it ends.
     """
 
     def __init__(self, location: str | Store, *, config: IOConfig | None = None, staging: str | None = None) -> None:
@@ -179,7 +180,10 @@ class DurableView(CheckpointView):
     @contextlib.contextmanager
     def _fetched(self, step: int | str,
                  progress: Callable[[int], None] | None = None) -> Iterator[tuple[CheckpointView, str]]:
-        top = tempfile.mkdtemp(prefix=".fastpersist-tmp-fetch-", dir=self.staging)
+        # in the staging directory if it exists (a Checkpointer's first root: fast, and a copy a
+        # crash leaves there is removed by the root's clean start), else the system's temporary one
+        staging = self.staging if self.staging is not None and os.path.isdir(self.staging) else None
+        top = tempfile.mkdtemp(prefix=".fastpersist-tmp-fetch-", dir=staging)
         try:
             s = self.fetch(step, top, progress=progress)
             local = os.path.join(top, catalog.step_dir(s))
@@ -238,12 +242,14 @@ class DurableView(CheckpointView):
 
 
 
-def durable_view(durable: str | os.PathLike[str] | Store, config: IOConfig | None) -> CheckpointView | DurableView:
-    """Read-only access to a durable tier: a directory is a checkpoint root like any other."""
+def durable_view(durable: str | os.PathLike[str] | Store, config: IOConfig | None,
+                 staging: str | None = None) -> CheckpointView | DurableView:
+    """Read-only access to a durable tier: a directory is a checkpoint root like any other;
+    object storage is fetched through ``staging`` (see :class:`DurableView`)."""
     store = open_store(durable)
     if isinstance(store, DirStore):
         return CheckpointView(store.url, config=config)
-    return DurableView(store, config=config)
+    return DurableView(store, config=config, staging=staging)
 
 
 def choose_tier(local: CheckpointView, durable: CheckpointView | DurableView | None,

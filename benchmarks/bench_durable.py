@@ -1,11 +1,15 @@
 """The durable tier in S3: fastpersist's drain and restore vs the raw clients, in one run.
 
-A SeaweedFS server (``weed mini``, data on the local disk, loopback; started and removed by the
-benchmark, as the tests start it: tests/s3servers.py) holds every object. The state is GPT-like
-(``_bench.state.gpt_state``), saved once by a Checkpointer: its files (one data file, a skeleton
-and the manifest) are what the raw clients upload and download. Every contender starts with a
-cold page cache (drop_caches, which also writes back what the previous one left dirty), and the
-contenders of a round run in turn, the order reversed every other round.
+A SeaweedFS server (``weed mini``, data on the disk under --dir, loopback; started and removed by
+the benchmark, as the tests start it: tests/s3servers.py) holds every object. The state is
+GPT-like (``_bench.state.gpt_state``), saved once by a Checkpointer: its files (one data file, a
+skeleton and the manifest) are what the raw clients upload and download. The client's side
+(the local checkpoint roots, the files downloaded, the fetch's staging directory) lives in
+--local-dir (default /dev/shm: the local tier of a training node, NVMe, is far faster than a small
+VM's disk, which would bound every contender alike). Before each contender the page cache is
+written back (sync: nothing the previous one left dirty is flushed during the next); the
+server's copy of what the downloads read stays in its page cache (read once before the rounds).
+The contenders of a round run in turn, the order reversed every other round.
 
 Upload (the same files, each contender into its own prefix):
 
@@ -13,9 +17,10 @@ Upload (the same files, each contender into its own prefix):
   time runs from the drain's first upload to ``handle.durable.result()``: the local files read
   and their checksums checked, the multipart upload (PART_BYTES parts, 4 in flight), every file
   read back and checked, the manifest put create-if-absent. Its phases are timed through a
-  subclass of the store (upload = ``put_file`` calls, read-back = ``chunks`` until consumed). As
-  shipped, the drain thread runs at nice 10; ``nice 0`` is the same drain with that turned off
-  (a patch of the benchmark's), which tells what the priority costs on a busy machine;
+  subclass of the store (upload = ``put_file`` calls, read-back = ``chunks`` until consumed). By
+  default the drain thread runs nice'd (IOConfig ``drain_nice``, 10); ``nice 0`` is the same
+  drain with ``drain_nice=0`` (where IOConfig has no such field, the nice'ing patched out), which
+  tells what the priority costs on a busy machine;
 - ``fastpersist S3Store.put_file``: the store's upload alone (same chunking, no checksums);
 - ``obstore.put``: the raw client, from the file's path, at fastpersist's settings (8 MiB parts,
   4 in flight: the baseline of the ratios), at its defaults, and at two other settings;
@@ -27,7 +32,8 @@ Download (the checkpoint drained at setup; raw clients write files and fsync the
 
 - ``fastpersist.open(url).load``: fetch into a temporary directory + load (every checksum
   checked) + remove it; ``DurableView.fetch``: the download alone; ``fastpersist.open(local
-  root).load``: the same checkpoint from the local disk (cold);
+  root).load``: the same checkpoint from --local-dir, and saved on the disk under --dir (its
+  pages dropped first: cold);
 - ``obstore get``: one streamed GET per object (the baseline of the ratios); ``obstore
   get_range``: 8 MiB ranged GETs, 8 in flight over the file; ``boto3 download_file``
   (defaults); ``s3fs get``; ``DCP FsspecReader``: ``dcp.load`` into a preallocated state.
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -66,13 +73,14 @@ from typing import Any
 
 import torch
 
-from _bench.measure import GB, MiB, device_summary, drop_caches, machine_facts
+from _bench.measure import GB, MiB, device_summary, filesystem, machine_facts
 from _bench.state import gpt_state, tensor_bytes
 from _bench.stats import median_spread
 
 import fastpersist as fp
 from fastpersist import catalog
 from fastpersist.checkpointer import Checkpointer
+from fastpersist.config import IOConfig, get_config
 from fastpersist.durable import drain as drain_module
 from fastpersist.durable import view as view_module
 from fastpersist.durable.store import PART_BYTES, S3Store
@@ -81,6 +89,8 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 STEP = 0
 UPLOAD_BASE = "obstore.put 8 MiB x4"
 DOWNLOAD_BASE = "obstore get"
+HAS_DRAIN_NICE = "drain_nice" in {f.name for f in dataclasses.fields(IOConfig)}
+DRAIN_NICE = int(getattr(get_config(), "drain_nice", 10))  # the drain thread's niceness by default
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,8 +137,20 @@ class Meter:
         return Run(t1 - (self.t0 if t_start is None else t_start), c1 - self.c0, s1 - self.s0)
 
 
-def _timed(pid: int | None, fn: Callable[[], object]) -> Run:
-    drop_caches()
+def _settle(cold: list[str] | None = None) -> None:
+    """Write back what is dirty (the previous contender's uploads, in the server's page cache);
+    the files ``cold`` leave the page cache."""
+    os.sync()
+    for path in cold or []:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _timed(pid: int | None, fn: Callable[[], object], cold: list[str] | None = None) -> Run:
+    _settle(cold)
     m = Meter(pid)
     m.start()
     fn()
@@ -159,12 +181,22 @@ class TimedS3Store(S3Store):
         self.reads.append(time.perf_counter() - t0)
 
 
+def _drain_config(nice: bool) -> IOConfig | None:
+    """The Checkpointer's I/O settings: the default (its drain thread nice'd), or the drain at
+    this thread's priority (``drain_nice=0``)."""
+    if nice or not HAS_DRAIN_NICE:
+        return None
+    changes: dict[str, Any] = {"drain_nice": 0}  # a field other sources may lack: not checked statically
+    return dataclasses.replace(get_config(), **changes)
+
+
 @contextlib.contextmanager
 def _drain_priority(nice: bool) -> Iterator[None]:
-    """With ``nice=False``, drain threads created meanwhile keep this thread's priority."""
+    """Where IOConfig has no ``drain_nice``: with ``nice=False``, drain threads created meanwhile
+    keep this thread's priority (the nice'ing patched out)."""
     original = drain_module._lower_priority
-    if not nice:
-        setattr(drain_module, "_lower_priority", lambda: None)
+    if not nice and not HAS_DRAIN_NICE:
+        setattr(drain_module, "_lower_priority", lambda *args: None)
     try:
         yield
     finally:
@@ -206,10 +238,12 @@ class Setup:
     args: argparse.Namespace
     server: Any
     bucket: str
-    work: str
+    work: str  # on the disk (--dir): the server's data, the disk copy of the checkpoint
+    local: str  # --local-dir: the local roots, downloads, the fetch's staging
     state: dict[str, Any]
     nbytes: int  # the state's tensor bytes
     src_root: str  # the local checkpoint the raw clients upload
+    disk_root: str  # the same state saved on the disk
     files: list[tuple[str, str]]  # (local path, key under a prefix) of its files
     objects: list[tuple[str, int]]  # (key, size) of the drained copy the downloads read (prefix "restore")
     worker_env: dict[str, str]
@@ -249,12 +283,12 @@ def _worker(setup: Setup, job: dict[str, Any]) -> Run:
 
 
 def _drain(setup: Setup, name: str, nice: bool) -> Run:
-    base = os.path.join(setup.work, f"drain-{name}")
+    base = os.path.join(setup.local, f"drain-{name}")
     store = TimedS3Store(setup.url(name))
     with _drain_priority(nice):
-        ck = Checkpointer([base], mode="sync", durable=store)
+        ck = Checkpointer([base], mode="sync", durable=store, config=_drain_config(nice))
     try:
-        drop_caches()
+        _settle()
         m = Meter(setup.pid)
         handle = ck.save(STEP, setup.state)
         handle.wait()
@@ -323,9 +357,9 @@ def upload_contenders(setup: Setup) -> list[tuple[str, str, Callable[[int], Run]
     """(name, settings, run(round)) of every upload contender."""
     part = f"{PART_BYTES // MiB} MiB parts, 4 in flight"
     out: list[tuple[str, str, Callable[[int], Run]]] = [
-        ("fastpersist drain (nice 10, as shipped)", f"{part}; + read-back",
-         lambda i: _drain(setup, f"drain-nice10-r{i}", True)),
-        ("fastpersist drain (nice 0)", f"{part}; + read-back",
+        (f"fastpersist drain (nice {DRAIN_NICE}, default)", f"{part}; + read-back",
+         lambda i: _drain(setup, f"drain-default-r{i}", True)),
+        ("fastpersist drain (nice 0)", f"{part}; + read-back; drain_nice=0",
          lambda i: _drain(setup, f"drain-nice0-r{i}", False)),
         ("fastpersist S3Store.put_file", f"{part}; upload only",
          lambda i: _store_put(setup, f"storeput-r{i}")),
@@ -348,19 +382,22 @@ def upload_contenders(setup: Setup) -> list[tuple[str, str, Callable[[int], Run]
 # downloads
 
 
-def _fp_load(setup: Setup, url_or_root: str, check: bool) -> Run:
-    view = fp.open(url_or_root)
+def _fp_load(setup: Setup, where: str, check: bool, cold: bool = False) -> Run:
+    # fastpersist.open(url) is a DurableView staging in the system's temporary directory: here
+    # in --local-dir, as the raw clients' downloads
+    view = view_module.DurableView(where, staging=setup.local) if "://" in where else fp.open(where)
+    d = os.path.join(where, catalog.step_dir(STEP))
+    files = [os.path.join(d, n) for n in os.listdir(d)] if cold else None
     out: list[Any] = []
-    run = _timed(setup.pid, lambda: out.append(view.load(STEP)))
+    run = _timed(setup.pid, lambda: out.append(view.load(STEP)), files)
     if check and not _same(setup.state, out[0]):
-        raise RuntimeError(f"{url_or_root}: the loaded state differs from the saved one")
+        raise RuntimeError(f"{where}: the loaded state differs from the saved one")
     return run
 
 
 def _fp_fetch(setup: Setup, url: str) -> Run:
-    view = fp.open(url)
-    assert isinstance(view, view_module.DurableView)
-    top = tempfile.mkdtemp(prefix="fetch-", dir=setup.work)
+    view = view_module.DurableView(url, staging=setup.local)
+    top = tempfile.mkdtemp(prefix="fetch-", dir=setup.local)
     try:
         return _timed(setup.pid, lambda: view.fetch(STEP, top))
     finally:
@@ -371,7 +408,7 @@ def _obstore_get(setup: Setup, prefix: str, ranged: bool) -> Run:
     import obstore
 
     store = setup.server.store(setup.bucket, prefix)
-    top = tempfile.mkdtemp(prefix="get-", dir=setup.work)
+    top = tempfile.mkdtemp(prefix="get-", dir=setup.local)
     objects = setup.objects
     paths = [os.path.join(top, key.replace("/", "_")) for key, _ in objects]
 
@@ -419,7 +456,7 @@ def _obstore_get(setup: Setup, prefix: str, ranged: bool) -> Run:
 
 def _boto3_get(setup: Setup, prefix: str) -> Run:
     client = setup.server.client()
-    top = tempfile.mkdtemp(prefix="boto3-", dir=setup.work)
+    top = tempfile.mkdtemp(prefix="boto3-", dir=setup.local)
     objects = setup.objects
     paths = [os.path.join(top, key.replace("/", "_")) for key, _ in objects]
 
@@ -442,15 +479,17 @@ def download_contenders(setup: Setup, prefix: str, dcp_prefix: str | None
                                       f"{PART_BYTES // MiB} MiB ranged GETs; + load, verified",
          lambda i: _fp_load(setup, url, i == 0)),
         ("fastpersist DurableView.fetch", "the download alone (files fsync'd)", lambda i: _fp_fetch(setup, url)),
-        ("fastpersist.open(local).load", "the same checkpoint on the local disk",
+        ("fastpersist.open(local).load", "the same checkpoint in --local-dir",
          lambda i: _fp_load(setup, setup.src_root, i == 0)),
+        ("fastpersist.open(disk).load", "the same state saved on the disk, cold",
+         lambda i: _fp_load(setup, setup.disk_root, i == 0, cold=True)),
         (DOWNLOAD_BASE, "one streamed GET per object, 8 objects at once",
          lambda i: _obstore_get(setup, prefix, False)),
         ("obstore get_range", "8 MiB ranged GETs, 8 in flight", lambda i: _obstore_get(setup, prefix, True)),
         ("boto3 download_file", "TransferConfig defaults (8 MB ranges, 10 threads)",
          lambda i: _boto3_get(setup, prefix)),
         ("s3fs get", "defaults", lambda i: _worker(setup, {"op": "s3fs_get", "prefix": prefix,
-                                                              "objects": setup.objects, "dir": setup.work})),
+                                                              "objects": setup.objects, "dir": setup.local})),
     ]
     if dcp_prefix is not None:
         out.append(("DCP FsspecReader (s3fs)", "dcp.load into a preallocated state",
@@ -509,7 +548,7 @@ def part_upload(setup: Setup) -> str | None:
     contenders = upload_contenders(setup)
     runs, failed = run_rounds(setup, contenders)
     print(f"\n## Upload to S3 (SeaweedFS on loopback; {setup.nbytes / GB:.3f} GB state, {len(setup.files)} files; "
-          f"{setup.args.rounds} rounds, median [min-max]; cold page cache)\n")
+          f"{setup.args.rounds} rounds, median [min-max]; the files in --local-dir)\n")
     table(setup, contenders, runs, failed, UPLOAD_BASE)
     gb = setup.nbytes / GB
     print("\n### The drain's phases (seconds, median [min-max]; upload = put_file, which reads and checks the local "
@@ -540,14 +579,18 @@ def part_download(setup: Setup, dcp_prefix: str | None) -> None:
     contenders = download_contenders(setup, "restore", dcp_prefix)
     runs, failed = run_rounds(setup, contenders)
     print(f"\n## Download / restore from S3 ({setup.nbytes / GB:.3f} GB state, {len(setup.files)} objects; "
-          f"{setup.args.rounds} rounds, median [min-max]; cold page cache: the server's copy too)\n")
+          f"{setup.args.rounds} rounds, median [min-max]; the server's copy in its page cache; files "
+          f"written to --local-dir and fsync'd)\n")
     table(setup, contenders, runs, failed, DOWNLOAD_BASE)
     if dcp_prefix is None:
         print("\nDCP FsspecReader: not run (the DCP upload did not run in every round)")
-    s3, local = runs.get("fastpersist.open(s3).load"), runs.get("fastpersist.open(local).load")
-    if s3 and local:
-        print(f"\nrestore from S3 / from the local disk (time): "
-              f"{statistics.median(r.seconds for r in s3) / statistics.median(r.seconds for r in local):.2f}x")
+    s3 = runs.get("fastpersist.open(s3).load")
+    for name, what in (("fastpersist.open(local).load", "--local-dir"), ("fastpersist.open(disk).load", "the disk")):
+        local = runs.get(name)
+        if s3 and local:
+            print(f"\nrestore from S3 / from {what} (time): "
+                  f"{statistics.median(r.seconds for r in s3) / statistics.median(r.seconds for r in local):.2f}x", end="")
+    print()
     fetch = runs.get("fastpersist DurableView.fetch")
     if s3 and fetch:
         print(f"fetch share of the restore from S3: "
@@ -581,7 +624,7 @@ def worker_main(job: dict[str, Any]) -> int:
         state = gpt_state(job["gib"], seed=1 if op == "dcp_save" else 2)
     if op == "s3fs_get":
         top = tempfile.mkdtemp(prefix="s3fs-", dir=job["dir"])
-    drop_caches()
+    _settle()
     s0, c0, t0 = _proc_cpu(job["server_pid"]), _cpu(), time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -650,7 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=0.5, help="state size in GiB")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk (server data, local checkpoints)")
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk: the server's data")
+    p.add_argument("--local-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                   help="the client's side: local checkpoint roots, downloads (default /dev/shm, else --dir)")
     p.add_argument("--s3fs-site", default=None, help="a directory s3fs was installed into (pip install --target)")
     p.add_argument("--parts", default="upload,download")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -667,7 +712,11 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.disk_usage(args.dir).free < need:
         print(f"cannot run: {args.dir} needs about {need / GB:.1f} GB free", file=sys.stderr)
         return 1
+    if shutil.disk_usage(args.local_dir or args.dir).free < 4 * args.gib * 2**30:
+        print(f"cannot run: {args.local_dir} needs about {4 * args.gib * 2**30 / GB:.1f} GB free", file=sys.stderr)
+        return 1
     work = tempfile.mkdtemp(prefix="fp-bench-durable-", dir=args.dir)
+    local_dir = tempfile.mkdtemp(prefix="fp-bench-durable-", dir=args.local_dir or args.dir)
     server = None
     saved_env = dict(os.environ)
     try:
@@ -681,25 +730,33 @@ def main(argv: list[str] | None = None) -> int:
         obstore.list(server.store(bucket)).collect()
         state = gpt_state(args.gib, seed=1)
         nbytes = tensor_bytes(state)
-        src_root = os.path.join(work, "local")
-        # the setup save: the local checkpoint (what the raw clients upload, and the local
-        # load reads) and its drained copy in s3://bucket/restore (what the downloads read)
+        src_root, disk_root = os.path.join(local_dir, "local"), os.path.join(work, "disk")
+        # the setup saves: the local checkpoint (what the raw clients upload, and the local
+        # load reads) and its drained copy in s3://bucket/restore (what the downloads read);
+        # the same state on the disk
         ck = Checkpointer([src_root], mode="sync", durable=f"s3://{bucket}/restore")
         handle = ck.save(STEP, state)
         handle.wait()
         handle.durable.result()
         ck.close()
+        ck = Checkpointer([disk_root], mode="sync")
+        ck.save(STEP, state).wait()
+        ck.close()
+        restore = server.store(bucket, "restore")
         drained = [(str(m["path"]).removeprefix("restore/"), int(m["size"]))  # keys under the store's prefix
-                   for m in obstore.list(server.store(bucket, "restore")).collect()]
+                   for m in obstore.list(restore).collect()]
         drained.sort(key=lambda o: -o[1])
+        for key, _ in drained:  # into the server's page cache
+            obstore.get(restore, key).bytes()
         worker_env, why = _worker_setup(args, server.env())
-        setup = Setup(args, server, bucket, work, state, nbytes, src_root, _checkpoint_files(src_root), drained,
-                      worker_env, why)
+        setup = Setup(args, server, bucket, work, local_dir, state, nbytes, src_root, disk_root,
+                      _checkpoint_files(src_root), drained, worker_env, why)
         sizes = ", ".join(f"{os.path.basename(path)} {os.path.getsize(path) / MiB:.2f} MiB" for path, _ in setup.files)
         print(f"# fastpersist durable tier (S3) benchmark: python {sys.version.split()[0]}, {platform.node()}")
         print(f"\n{machine_facts(work)}; load average at start {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         print(f"{device_summary(work, min(nbytes, 512 * MiB))}")
-        print(f"server: SeaweedFS `weed mini`, data on the same disk, loopback; clients: {_versions(setup)}")
+        print(f"--local-dir {args.local_dir or args.dir} on {filesystem(local_dir)}")
+        print(f"server: SeaweedFS `weed mini`, data under --dir, loopback; clients: {_versions(setup)}")
         print(f"state: {nbytes / GB:.3f} GB ({nbytes / 2**30:.3f} GiB) of tensors; checkpoint files: {sizes}")
         print(f"fastpersist store: PART_BYTES {PART_BYTES // MiB} MiB, 4 parts in flight per file, one file at a "
               f"time, one drain thread; fetch: {view_module.FETCH_THREADS} threads over files, "
@@ -719,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.clear()
         os.environ.update(saved_env)
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(local_dir, ignore_errors=True)
     return 0
 
 

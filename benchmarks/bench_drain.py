@@ -23,7 +23,7 @@ most one and a service time below an iteration's; otherwise the queue grows with
 real run (every due checkpoint is queued; the local copies wait for it).
 
 Part 2 (``--components-rounds``, 0 skips it) finds what in a drain costs training time: the
-same model trains while a background thread (nice +10, as the drain's) repeats one piece of a
+same model trains while a background thread (niced as the drain's) repeats one piece of a
 drain over a real checkpoint's files without pause: reading them (page cache), hashing them
 (xxh3, in memory), writing them to a directory with fsync (the DirStore's upload), reading them
 back from the device and hashing (the check after the upload), and, with S3, uploading and
@@ -31,7 +31,7 @@ reading back. It prints each piece's time and CPU per pass over the checkpoint, 
 overhead under it, and the training time one pass costs (overhead / (1 + overhead) x the pass's
 wall time).
 
-Run: ``.venv/bin/python benchmarks/bench_drain.py`` (about 6-8 minutes on 2 cores).
+Run: ``.venv/bin/python benchmarks/bench_drain.py`` (about 10 minutes on 2 busy cores; part 2 about a fifth).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from _bench.stats import Overhead, overhead, quantile
 from demo import KINDS, SETTLE, SIZES, Samples, _Contender, rotated, round_medians, spec
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.cli._progress import Progress, wanted
+from fastpersist.config import get_config
 from fastpersist.durable.drain import _lower_priority
 from fastpersist.durable.store import PART_BYTES, DirStore, Store, open_store
 from fastpersist.handle import SaveHandle
@@ -412,7 +413,7 @@ def loads(files: list[str], workdir: str, s3: str | None) -> dict[str, Callable[
 
 
 class Background(threading.Thread):
-    """Repeats ``fn`` at nice +10 (as the drain thread) until stopped; times each pass."""
+    """Repeats ``fn`` at the drain thread's niceness until stopped; times each pass."""
 
     def __init__(self, fn: Callable[[], None]) -> None:
         super().__init__(name="bench-background", daemon=True)
@@ -422,7 +423,7 @@ class Background(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        _lower_priority()
+        _lower_priority(get_config().drain_nice)
         try:
             while not self.halt.is_set():
                 t0 = time.perf_counter()
@@ -474,7 +475,7 @@ def measure_pieces(kind: str, size: ModelSpec, pieces: dict[str, Callable[[], No
     return out
 
 
-PIECES_HEADER = ["background load (repeated without pause, nice +10)", "one pass (ms): median",
+PIECES_HEADER = ["background load (repeated without pause, the drain's niceness)", "one pass (ms): median",
                  "CPU per pass, every other thread (ms)", "training overhead under it: round medians",
                  "round means", "training time one pass costs (ms)"]
 
@@ -522,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds, not measured")
     p.add_argument("--block", type=int, default=9,
                    help=f"measured iterations per block (after {SETTLE} untimed one); at least 2")
-    p.add_argument("--components-rounds", type=int, default=6, help="measured rounds of part 2 (0: skip it)")
+    p.add_argument("--components-rounds", type=int, default=4, help="measured rounds of part 2 (0: skip it)")
     p.add_argument("--components-block", type=int, default=4, help="measured iterations per block of part 2")
     p.add_argument("--size", default="small", choices=sorted(SIZES), help="the models' size (tiny: a smoke test)")
     p.add_argument("--dir", default=None, help="where checkpoints and the durable directory go (default: a "
@@ -538,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="fastpersist-drain-", dir=args.dir)
     started = time.monotonic()
     print(f"# fastpersist: the durable tier's drain vs training ({os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, {args.threads} training thread(s), checkpoints and "
+          f"{os.getloadavg()[0]:.1f}, torch {torch.__version__}, {args.threads} training thread(s), drain niceness "
+          f"{get_config().drain_nice}, checkpoints and "
           f"the durable directory in {workdir})", flush=True)
     server: Any = None
     try:

@@ -117,16 +117,14 @@ class SaveProtocol:
             if self.check_replicated:
                 check_replicas(job.step, [w.digests for w in written], p.replicated, job.state)
                 check_replicated_chunks(job.step, [w.chunk_digests for w in written], [c.key for c in p.layout.chunks])
-            agree(self.comm, f"committing checkpoint step {job.step}",
-                  lambda: self._commit(job, p, written) if self.rank == 0 else None)
+            drain = agree(self.comm, f"committing checkpoint step {job.step}",
+                          lambda: self._commit(job, p, written) if self.rank == 0 else None)[0]
         except CheckpointError:
-            if self.drainer is not None and self.rank == 0:
-                self.drainer.forget(job.step)
             if not self.coordinator.is_committed(job.step, p.save_id):  # after the commit point, files stay
                 catalog.remove_files(self.writer.roots, job.step, f"{p.save_id}-", self.writer.backend, prune=True)
             raise
         self._account(job, written)
-        self._drain(job, p, written)
+        self._drain(job, p, written, bool(drain))
         if self.rank == 0:
             try:
                 pending = self.drainer.pending() if self.drainer is not None else set()
@@ -134,16 +132,24 @@ class SaveProtocol:
             except Exception as e:  # noqa: BLE001 - committed: a cleanup failure must not fail the save
                 logger.warning("checkpoint step %d is committed; cleaning up after it failed: %s", job.step, e)
 
-    def _commit(self, job: SaveJob, p: SavePlan, written: list[RankReport]) -> None:
-        """Step 3 on rank 0. A step due for the durable tier is marked first, so that retention
-        and the drain's clean-up spare it from the moment any rank can learn of its commit."""
-        if self.drainer is not None and self.drainer.due(job.step):
-            self.drainer.expect(job.step)
-        self.coordinator.commit(job.step, p.save_id, written, job.metadata, p.layout)
+    def _commit(self, job: SaveJob, p: SavePlan, written: list[RankReport]) -> bool:
+        """Step 3 on rank 0; returns whether the step is drained to the durable tier, which
+        rank 0 alone decides (its drain ends only when every rank's part is up, so its queue
+        bounds everyone's) and every rank learns from this step's all-gather. A step to drain
+        is marked first, so that retention and the drain's clean-up spare it from the moment
+        any rank can learn of its commit."""
+        drain = self.drainer is not None and self.drainer.take(job.step)
+        try:
+            self.coordinator.commit(job.step, p.save_id, written, job.metadata, p.layout)
+        except BaseException:
+            if drain and self.drainer is not None:
+                self.drainer.forget(job.step)
+            raise
+        return drain
 
-    def _drain(self, job: SaveJob, p: SavePlan, written: list[RankReport]) -> None:
-        """After the commit, on every rank: queue this rank's part of the drain, if due."""
-        if self.drainer is None or not self.drainer.due(job.step):
+    def _drain(self, job: SaveJob, p: SavePlan, written: list[RankReport], drain: bool) -> None:
+        """After the commit, on every rank: queue this rank's part of the drain, if rank 0 said so."""
+        if self.drainer is None or not drain:
             job.completion.not_drained()
             return
         writers = [r for r, w in enumerate(written) if w.reports]

@@ -47,6 +47,7 @@ DRAIN_DIR = "_drain"
 FAILED = ".failed"  # a rank's marker that its part of the drain failed (holds the error)
 ATTEMPTS = 5  # uploads of one file before the drain of a step fails (a server restart takes a while)
 BACKOFF_S = (1.0, 5.0, 15.0, 30.0)
+QUEUE = 2  # drains in flight on rank 0 (one running, one waiting); a due step beyond is skipped
 
 
 def durable_name(root: int, name: str) -> str:
@@ -82,7 +83,7 @@ class RangeChecker:
         self._next = 0  # the first range not yet complete
         self._hash = xxhash.xxh3_64()
 
-    def feed(self, pos: int, data: bytes) -> None:
+    def feed(self, pos: int, data: bytes | memoryview) -> None:
         end = pos + len(data)
         view = memoryview(data)
         while self._next < len(self.ranges):
@@ -138,7 +139,8 @@ class Drainer:
         self.bandwidth = bandwidth
         self.timeout_s = timeout_s
         self.nice = nice
-        self._last: int | None = None  # the last step found due
+        self._last: int | None = None  # the last step drained (queued)
+        self.skipped = 0  # due steps not drained because the queue was full (rank 0)
         self._lock = threading.Lock()
         self._active: set[int] = set()  # steps expected, queued or draining here
         self._executor: cf.ThreadPoolExecutor | None = None
@@ -151,16 +153,26 @@ class Drainer:
     # the save's side (in the save driver's worker)
 
     def due(self, step: int) -> bool:
-        """Whether the checkpoint just committed at ``step`` is drained: the first one, then
-        the first at least ``every`` steps after the last drained (or below it: a new
-        timeline). Every rank sees the same commits, so every rank decides alike."""
+        """Whether ``step`` is due: the first checkpoint, then the first at least ``every``
+        steps after the last drained (or below it: a new timeline)."""
         return self._last is None or step >= self._last + self.every or step <= self._last
 
-    def expect(self, step: int) -> None:
-        """Rank 0, before committing ``step``: its local copy is spared by retention, and its
-        durable directory by the drain's clean-up, from now until its drain ends."""
+    def take(self, step: int) -> bool:
+        """Rank 0, before committing ``step``: whether to drain it. A due step is skipped while
+        one drain runs and another waits (the queue stays bounded when drains are slower than
+        saves; the next due step is taken as soon as there is room). A step taken is marked:
+        retention spares its local copy, and the drain's clean-up its durable directory, from
+        now until its drain ends."""
+        if not self.due(step):
+            return False
         with self._lock:
+            if len(self._active) >= QUEUE:
+                self.skipped += 1
+                logger.info("checkpoint step %d is not drained: %d drains are still in flight", step,
+                            len(self._active))
+                return False
             self._active.add(step)
+        return True
 
     def forget(self, step: int) -> None:
         with self._lock:

@@ -175,7 +175,7 @@ class TimedS3Store(S3Store):
         finally:
             self.puts.append(time.perf_counter() - t0)
 
-    def chunks(self, key: str, size: int) -> Iterator[bytes]:
+    def chunks(self, key: str, size: int) -> Iterator[memoryview]:
         t0 = time.perf_counter()  # to the last piece consumed: the GETs and the drain's checks
         yield from super().chunks(key, size)
         self.reads.append(time.perf_counter() - t0)

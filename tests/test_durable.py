@@ -369,3 +369,59 @@ def test_a_fetch_left_in_a_root_by_a_crash_is_removed_at_the_clean_start(tmp_pat
     ck.save(1, replicated(1, SMALL))
     ck.close()
     assert sorted(os.listdir(root)) == [".fastpersist.lock", "latest", "step-00000001"]
+
+
+def test_resume_on_new_machines_follows_the_durable_tier(tmp_path):
+    """The README's resume loop, on empty roots: it resumes from the durable tier and the
+    timeline goes on (nothing drained before is abandoned)."""
+    roots, durable = [str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "durable")
+    ck = fp.Checkpointer(roots, mode="sync", durable=durable)
+    for s in (1, 2, 3):
+        ck.save(s, {"step": s, "w": replicated(s, SMALL)}).durable.result(60)
+    ck.close()
+    for r in roots:
+        shutil.rmtree(r)
+    ck = fp.Checkpointer(roots, mode="sync", durable=durable)
+    start = 0
+    if ck.latest_step() is not None:
+        start = ck.load("latest")["step"] + 1
+    assert start == 4
+    assert ck.metadata("latest") == {} and ck.latest_step() == 3
+    ck.save(start, {"step": start, "w": replicated(start, SMALL)}).durable.result(60)
+    ck.close()
+    infos = fp.open(durable).list()
+    assert [(i.step, i.abandoned) for i in infos] == [(1, False), (2, False), (3, False), (4, False)]
+    assert fp.open(durable).latest_step() == 4
+
+
+def test_a_damaged_local_copy_is_read_from_the_durable_tier(tmp_path, caplog):
+    root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
+    ck = fp.Checkpointer(root, mode="sync", durable=durable)
+    ck.save(1, replicated(1, SMALL)).durable.result(60)
+    m = fp.open(root).manifest(1)
+    extent = m.objects["replicated"].storages[0].extents[0]
+    with open(os.path.join(root, "step-00000001", m.files[extent.file].name), "r+b") as f:
+        f.seek(extent.offset + 5)
+        b = f.read(1)
+        f.seek(extent.offset + 5)
+        f.write(bytes([b[0] ^ 4]))
+    with pytest.raises(ChecksumMismatchError):
+        fp.open(root).load(1)
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        assert_state_equal(ck.load(1), replicated(1, SMALL))
+        assert_state_equal(ck.load(), replicated(1, SMALL))
+    assert any("cannot be read from the local roots" in r.getMessage() for r in caplog.records)
+    ck.close()
+
+
+def _ranks_differ(rank: int, world: int, root: str, durable: str) -> str:
+    try:
+        fp.Checkpointer(root, durable=durable if rank == 0 else None)
+    except ValueError as e:
+        return str(e)
+    return "constructed"
+
+
+def test_ranks_given_different_durable_locations_all_refuse(tmp_path):
+    results = run_ranks(tmp_path, 2, _ranks_differ, str(tmp_path / "ck"), str(tmp_path / "durable"))
+    assert all("different durable locations" in r for r in results), results

@@ -40,7 +40,7 @@ from fastpersist.dist import Comm, default_comm, host_name, writer_ranks
 from fastpersist.driver import SaveDriver
 from fastpersist.durable.drain import Drainer
 from fastpersist.durable.store import DirStore, Store, open_store
-from fastpersist.durable.view import choose_tier, durable_view
+from fastpersist.durable.view import durable_view, latest_of_tiers, read_tiered
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
@@ -149,7 +149,7 @@ class Checkpointer:
         # Checkpointer is collected, or at exit: never left to the interpreter's teardown.
         close_comm = getattr(self.comm, "close", None) if comm is None else None
         self._close_comm = weakref.finalize(self, close_comm) if close_comm is not None else None
-        self.roots, hosts = _roots_everywhere(self.comm, paths)
+        self.roots, hosts, store = _roots_everywhere(self.comm, paths, durable)
         self.mode = mode
         self.backend = backend or FileBackend()
         self._config = config
@@ -161,9 +161,9 @@ class Checkpointer:
         self._driver = SaveDriver(self._run, self._finished, self.comm, max_in_flight, when_busy)
         self._stager = Stager(snapshot_bytes, self.comm.rank)
         self._guard = OverlapGuard(self._driver.in_flight, self._driver.raise_failed)
-        self._drainer = _drainer(durable, self.roots, self.comm.rank, durable_every, durable_keep, abandoned,
+        self._drainer = _drainer(store, self.roots, self.comm.rank, durable_every, durable_keep, abandoned,
                                  durable_bandwidth, timeout_s, self.config.drain_nice)
-        self._durable_view = durable_view(durable, config, self.roots[0]) if durable is not None else None
+        self._durable_view = durable_view(store, config, self.roots[0]) if store is not None else None
         self._coordinator = Coordinator(self.roots, self.backend, retention, self.comm.world_size, clean_start,
                                         self._drainer.known_commits if self._drainer is not None else None)
         self._protocol = SaveProtocol(
@@ -335,21 +335,20 @@ class Checkpointer:
         :meth:`CheckpointView.load`. A step the local roots lack (new machines, lost disks) is
         read from the durable tier, if there is one; ``"latest"`` is the most recent commit
         of either."""
-        view, step = choose_tier(self._view, self._durable_view, step)
-        return view.load(step, into, keys=keys, map_location=map_location, weights_only=weights_only, verify=verify)
+        return read_tiered(self._view, self._durable_view, step, lambda v, s: v.load(
+            s, into, keys=keys, map_location=map_location, weights_only=weights_only, verify=verify))
 
     def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,
                         verify: bool | None = None) -> Any:
         """Load the ``rank_state`` that ``rank`` (default: this rank) saved."""
-        view, step = choose_tier(self._view, self._durable_view, step)
-        return view.load_rank_state(step, into, rank=self.rank if rank is None else rank,
-                                    map_location=map_location, weights_only=weights_only, verify=verify)
+        return read_tiered(self._view, self._durable_view, step, lambda v, s: v.load_rank_state(
+            s, into, rank=self.rank if rank is None else rank, map_location=map_location, weights_only=weights_only,
+            verify=verify))
 
     def metadata(self, step: int | str = "latest") -> dict[str, Any]:
         """The ``metadata`` saved with ``step``."""
-        view, step = choose_tier(self._view, self._durable_view, step)
-        return view.metadata(step)
+        return read_tiered(self._view, self._durable_view, step, lambda v, s: v.metadata(s))
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every checkpoint in the first root, committed or not, by step (after the deletions
@@ -358,28 +357,38 @@ class Checkpointer:
         return self._view.list()
 
     def latest_step(self) -> int | None:
-        """The most recently committed step (not necessarily the largest), or None."""
-        return self._view.latest_step()
+        """The most recently committed step (not necessarily the largest) of the local roots
+        or the durable tier, or None."""
+        return latest_of_tiers(self._view, self._durable_view)[0]
 
 
-def _roots_everywhere(comm: Comm, paths: list[str]) -> tuple[list[str], list[str]]:
-    """Check the roots on every rank; if any rank finds them unusable, every rank raises
-    (nobody is left waiting in a collective the others skipped). Returns the checked roots and
-    every rank's host name."""
+def _roots_everywhere(comm: Comm, paths: list[str],
+                      durable: str | os.PathLike[str] | Store | None) -> tuple[list[str], list[str], Store | None]:
+    """Check the roots and the durable location on every rank; if any rank finds them
+    unusable, or the ranks were given different durable locations, every rank raises (nobody is
+    left waiting in a collective the others skipped). Returns the checked roots, every rank's
+    host name and the durable tier's store."""
     error: Exception | None = None
-    roots = paths
+    roots, store = paths, None
     try:
         roots = check_roots(paths)
-    except (ValueError, CheckpointWriteError) as e:
+        store = open_store(durable) if durable is not None else None
+        if isinstance(store, DirStore) and any(os.path.realpath(store.url) == os.path.realpath(r) for r in roots):
+            raise ValueError(f"durable: {store.url} is one of the local roots; the durable tier must be elsewhere")
+    except (ValueError, TypeError, ImportError, CheckpointWriteError) as e:
         error = e
-    outcomes = comm.all_gather((host_name(), error is None))
+    outcomes = comm.all_gather((host_name(), error is None, store.url if store is not None else None))
     if error is not None:
         raise error
-    bad = [r for r, (_, ok) in enumerate(outcomes) if not ok]
+    bad = [r for r, (_, ok, _) in enumerate(outcomes) if not ok]
     if bad:
-        raise CheckpointWriteError(f"the checkpoint roots {paths} cannot be used on rank(s) {bad}; see the "
-                                   "error raised there")
-    return roots, [h for h, _ in outcomes]
+        raise CheckpointWriteError(f"the checkpoint roots {paths} or the durable location cannot be used on rank(s) "
+                                   f"{bad}; see the error raised there")
+    urls = sorted({u for _, _, u in outcomes if u is not None})
+    if len(urls) > 1 or (urls and any(u is None for _, _, u in outcomes)):
+        raise ValueError(f"durable: the ranks were given different durable locations ({urls}, or none on some); "
+                         "every rank must pass the same one")
+    return roots, [h for h, _, _ in outcomes], store
 
 
 def _close_all(*closers: Callable[[], object] | None) -> None:
@@ -405,7 +414,7 @@ def _check_arguments(mode: str, max_in_flight: int, snapshot_bytes: int, history
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
 
 
-def _drainer(durable: str | os.PathLike[str] | Store | None, roots: list[str], rank: int, every: int, keep: int | None,
+def _drainer(store: Store | None, roots: list[str], rank: int, every: int, keep: int | None,
              abandoned: str, bandwidth: float | None, timeout_s: float, nice: int) -> Drainer | None:
     """The durable tier's drain on this rank (None without a durable tier); arguments checked."""
     _positive_int("durable_every", every)
@@ -414,12 +423,8 @@ def _drainer(durable: str | os.PathLike[str] | Store | None, roots: list[str], r
     if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
                                   or bandwidth <= 0):
         raise ValueError(f"durable_bandwidth must be a positive number of bytes per second, got {bandwidth!r}")
-    if durable is None:
+    if store is None:
         return None
-    store = open_store(durable)
-    if isinstance(store, DirStore) and any(
-            os.path.realpath(store.url) == os.path.realpath(r) for r in roots):
-        raise ValueError(f"durable: {store.url} is one of the local roots; the durable tier must be elsewhere")
     drainer = Drainer(store, roots, rank, every=every, keep=keep, abandoned=abandoned, bandwidth=bandwidth,
                       timeout_s=timeout_s, nice=nice)
     if rank == 0:

@@ -43,8 +43,9 @@ class Coordinator:
         self._lock = threading.Lock()
         self._root_lock = RootLock(self.roots[0], backend)
         self._commits: dict[int, timeline.Commit] | None = None  # read at the first save
-        # The commits of the durable tier, read once: commit sequences continue after them, so
-        # that a job restarted on empty disks from a drained checkpoint keeps one commit order.
+        # The commits of the durable tier (read once by the drain, then kept up to date there):
+        # commit sequences continue after them, so that a job restarted on empty disks from a
+        # drained checkpoint keeps one commit order.
         self._elsewhere = elsewhere
         self._sequence_floor = 0
 
@@ -70,9 +71,6 @@ class Coordinator:
             logger.warning("cannot list %s (%s): this commit is ordered by its time and retention is off until "
                            "the root can be listed", self.roots[0], e.strerror or e)
             return
-        if self._elsewhere is not None:
-            self._sequence_floor = max((c.sequence for c in self._elsewhere()), default=0)
-            self._elsewhere = None
         with self._lock:
             self._commits = commits
 
@@ -85,6 +83,8 @@ class Coordinator:
             known = self._commits is not None
             commits = list((self._commits or {}).values())
         abandoned = timeline.abandoned_by(step, commits)
+        if self._elsewhere is not None:  # what the durable tier is known to hold (cached there)
+            self._sequence_floor = max([self._sequence_floor, *(c.sequence for c in self._elsewhere())])
         sequence = max(timeline.next_sequence(commits), self._sequence_floor + 1) if known else 0
         manifest = self._manifest(step, save_id, sequence, written, metadata, layout)
         step_path = os.path.join(self.roots[0], catalog.step_dir(step))

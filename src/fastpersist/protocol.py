@@ -89,6 +89,7 @@ class SaveProtocol:
                  drainer: Drainer | None = None) -> None:
         self.comm = comm
         self.drainer = drainer  # the durable tier's, if there is one
+        self._taken: int | None = None  # rank 0: the step its drain took in this save's commit
         if drainer is not None and comm.rank == 0:  # a local copy a drain held back may go when it ends
             drainer.ended = lambda: coordinator.retain(in_flight() | drainer.pending())
         self._in_flight = in_flight  # the steps of the jobs in flight (retention spares them)
@@ -112,6 +113,7 @@ class SaveProtocol:
         except BaseException:
             job.completion.staged()
             raise
+        self._taken = None
         try:
             written = agree(self.comm, f"writing checkpoint step {job.step}", lambda: self.writer.write(job, p))
             if self.check_replicated:
@@ -120,11 +122,17 @@ class SaveProtocol:
             drain = agree(self.comm, f"committing checkpoint step {job.step}",
                           lambda: self._commit(job, p, written) if self.rank == 0 else None)[0]
         except CheckpointError:
+            if self.drainer is not None and self._taken == job.step:
+                self.drainer.forget(job.step)  # rank 0 took it, then the commit failed somewhere: never queued
             if not self.coordinator.is_committed(job.step, p.save_id):  # after the commit point, files stay
                 catalog.remove_files(self.writer.roots, job.step, f"{p.save_id}-", self.writer.backend, prune=True)
             raise
         self._account(job, written)
-        self._drain(job, p, written, bool(drain))
+        try:
+            self._drain(job, p, written, bool(drain))
+        except Exception as e:  # noqa: BLE001 - committed: the durable tier must not fail the save
+            logger.warning("checkpoint step %d is committed; queueing its drain failed: %s", job.step, e)
+            job.completion.not_drained()
         if self.rank == 0:
             try:
                 pending = self.drainer.pending() if self.drainer is not None else set()
@@ -139,12 +147,8 @@ class SaveProtocol:
         is marked first, so that retention and the drain's clean-up spare it from the moment
         any rank can learn of its commit."""
         drain = self.drainer is not None and self.drainer.take(job.step)
-        try:
-            self.coordinator.commit(job.step, p.save_id, written, job.metadata, p.layout)
-        except BaseException:
-            if drain and self.drainer is not None:
-                self.drainer.forget(job.step)
-            raise
+        self._taken = job.step if drain else None
+        self.coordinator.commit(job.step, p.save_id, written, job.metadata, p.layout)
         return drain
 
     def _drain(self, job: SaveJob, p: SavePlan, written: list[RankReport], drain: bool) -> None:

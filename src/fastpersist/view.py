@@ -467,7 +467,9 @@ def open(roots: Roots, *, config: IOConfig | None = None,  # noqa: A001 - fastpe
     the view then lists and loads what was drained there (see
     :class:`fastpersist.durable.view.DurableView`; same methods). A durable tier in a
     directory is a checkpoint root like any other."""
-    if isinstance(roots, str) and "://" in roots:
+    from fastpersist.durable.store import is_url
+
+    if isinstance(roots, str) and is_url(roots):
         from fastpersist.durable.view import DurableView
 
         return DurableView(roots, config=config)

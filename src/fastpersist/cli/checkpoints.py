@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastpersist import catalog, timeline
+from fastpersist.durable.store import is_url
 from fastpersist.objects.verify import Problem, verify
 from fastpersist.cli._progress import Progress, ProgressBackend, wanted
 from fastpersist.cli._units import rate, size
@@ -97,17 +98,13 @@ def _when(created: float) -> str:
 # ------------------------------------------------------------------------------ durable tier
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def _split_url(url: str) -> tuple[str, int | str]:
     """``s3://bucket/prefix/step-00000012`` -> (``s3://bucket/prefix``, 12); a URL without a
     step directory at its end names the tier (its latest checkpoint)."""
     url = url.rstrip("/")
     head, _, tail = url.rpartition("/")
     step = catalog.parse_step_dir(tail)
-    if step is not None and _is_url(head) and head.split("://", 1)[1]:
+    if step is not None and is_url(head) and head.split("://", 1)[1]:
         return head, step
     return url, "latest"
 
@@ -152,7 +149,7 @@ class _Tier:
 
     @staticmethod
     def at(location: str) -> _Tier:
-        if _is_url(location):
+        if is_url(location):
             location, step = _split_url(location)
             if step != "latest":
                 raise _PathError(f"{location}/{catalog.step_dir(int(step))}: names a checkpoint; "
@@ -222,7 +219,7 @@ def _tiers(local: list[CheckpointInfo], durable: list[CheckpointInfo]) -> list[_
 
 def _ls(root: str, as_json: bool, tensors: bool = False, durable: str | None = None) -> int:
     where, tier = root, None
-    if _is_url(root):  # a durable tier in object storage, alone
+    if is_url(root):  # a durable tier in object storage, alone
         if durable is not None:
             raise _PathError(f"{root}: is a durable tier's URL; ROOT is the local root that --durable goes with")
         tier = _Tier.at(root)
@@ -301,7 +298,7 @@ def inspect_main(argv: Sequence[str]) -> int:
 
 
 def _inspect(checkpoint: str, as_json: bool) -> int:
-    if _is_url(checkpoint):
+    if is_url(checkpoint):
         view, manifest = _durable_step(checkpoint)
         first = view.store.where(catalog.step_dir(manifest.step))
     else:
@@ -387,7 +384,7 @@ def _object_bytes(obj: mf.ObjectEntry) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    url = _is_url(args.checkpoint)
+    url = is_url(args.checkpoint)
     if url and args.root:
         raise _PathError(f"{args.checkpoint}: a durable checkpoint has one root; --root applies to local ones")
     if not url:
@@ -457,14 +454,14 @@ def verify_main(argv: Sequence[str]) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     path = args.checkpoint
-    if _is_url(path) and args.root:
+    if is_url(path) and args.root:
         raise _PathError(f"{path}: a durable checkpoint has one root; --root applies to local ones")
-    if not _is_url(path) and not os.path.exists(path):
+    if not is_url(path) and not os.path.exists(path):
         raise _PathError(f"{path}: no such file or directory")
     for r in args.root:
         _need_dir(r)
     show = wanted(args.quiet)
-    if _is_url(path):
+    if is_url(path):
         result = _verify_durable(path, show)
     elif os.path.isdir(path):
         result = _verify_directory(path, args.root, show)
@@ -481,7 +478,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _result(path: str, kind: str, step: int | None, checked: int, problems: list[Problem],
             seconds: float) -> dict[str, Any]:
-    return {"path": path if _is_url(path) else os.path.abspath(path), "kind": kind, "step": step, "ok": not problems,
+    return {"path": path if is_url(path) else os.path.abspath(path), "kind": kind, "step": step, "ok": not problems,
             "bytes_verified": checked, "seconds": round(seconds, 3),
             "problems": [{"path": p.path, "what": p.what, "offset": p.offset, "message": p.message}
                          for p in problems]}

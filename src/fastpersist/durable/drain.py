@@ -15,14 +15,16 @@ thread of its own (one per Checkpointer, nice'd), at a bounded bandwidth, off th
 
 The durable copy is a one-root checkpoint: the local manifest with every file renamed into
 the step's one directory (``root<i>-<name>`` for root ``i > 0``), its extents and checksums
-unchanged. No collective is used (the drain never touches a process group); every rank makes
-the same decisions from the same commits (which steps are due). A failure is logged and set on
-the save handle's ``durable`` future; it never fails training or a save, and the local copy it
-came from is kept (retention spares it) until the drain ends.
+unchanged. The drain issues no collective (it never touches a process group); which steps are
+drained, rank 0 decides before its local commit and every rank learns from the commit's
+all-gather (see :meth:`Drainer.take`). A failure is logged and set on the save handle's
+``durable`` future; it never fails training or a save, and the local copy it came from is kept
+(retention spares it) until the drain ends.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import json
@@ -142,7 +144,7 @@ class Drainer:
         self._last: int | None = None  # the last step drained (queued)
         self.skipped = 0  # due steps not drained because the queue was full (rank 0)
         self._lock = threading.Lock()
-        self._active: set[int] = set()  # steps expected, queued or draining here
+        self._active: collections.Counter[int] = collections.Counter()  # steps taken, queued or draining
         self._executor: cf.ThreadPoolExecutor | None = None
         self._commits: dict[int, timeline.Commit] | None = None  # rank 0: the durable tier's
         self._read: cf.Future[dict[int, timeline.Commit]] | None = None
@@ -166,17 +168,20 @@ class Drainer:
         if not self.due(step):
             return False
         with self._lock:
-            if len(self._active) >= QUEUE:
+            if self._active.total() >= QUEUE:
                 self.skipped += 1
                 logger.info("checkpoint step %d is not drained: %d drains are still in flight", step,
-                            len(self._active))
+                            self._active.total())
                 return False
-            self._active.add(step)
+            self._active[step] += 1
         return True
 
     def forget(self, step: int) -> None:
+        """One drain of ``step`` (taken, queued or running) is over."""
         with self._lock:
-            self._active.discard(step)
+            self._active[step] -= 1
+            if self._active[step] <= 0:
+                del self._active[step]
 
     def pending(self) -> set[int]:
         with self._lock:
@@ -187,7 +192,8 @@ class Drainer:
         """Queue the drain of ``step`` (committed locally); ``future`` hears how it ended."""
         self._last = step
         with self._lock:
-            self._active.add(step)
+            if self.rank != 0:  # rank 0 counted it when it took it
+                self._active[step] += 1
             self._thread().submit(self._run, DrainTask(step, save_id, files, writers, future))
 
     def _thread(self) -> cf.ThreadPoolExecutor:
@@ -223,13 +229,14 @@ class Drainer:
         """What :meth:`read_ahead` found (waiting at most ``timeout_s``); empty, with a warning,
         if the durable tier could not be read: commit sequences then continue from the local
         roots' alone."""
-        read = self._read
+        read, self._read = self._read, None  # waited for once
         if read is not None:
             try:
                 read.result(timeout_s)
             except Exception as e:  # noqa: BLE001 - the drains report their own failures
-                logger.warning("cannot read the durable tier %s (%s): commit order continues from the local "
-                               "roots alone", self.store.url, e)
+                logger.warning("cannot read the durable tier %s yet (%s): commit order continues from the local "
+                               "roots until a drain reads it (a drain never commits there out of order)",
+                               self.store.url, e)
         with self._lock:
             return list((self._commits or {}).values())
 
@@ -278,8 +285,10 @@ class Drainer:
                 try:
                     self._upload(task, f, throttle)
                     break
-                except (ChecksumMismatchError, FileNotFoundError, StoreAccessError):
-                    raise  # the local copy is damaged or gone, or the credentials refused: no retry helps
+                except _SourceFailed as e:
+                    raise e.error from None  # the local copy is damaged or gone: another attempt reads the same
+                except StoreAccessError:
+                    raise  # the credentials were refused: a retry within seconds will not help
                 except (StoreError, OSError, CheckpointError) as e:
                     if attempt + 1 == ATTEMPTS:
                         raise
@@ -325,10 +334,10 @@ class Drainer:
             self.store.put_file(key, chunks(), f.size)
         except BaseException:
             if failure:
-                raise failure[0] from None
+                raise _SourceFailed(failure[0]) from None
             raise
         if failure:
-            raise failure[0]
+            raise _SourceFailed(failure[0])
         back = RangeChecker(f.ranges, self.store.where(key))
         pos = 0
         for data in self.store.chunks(key, f.size):
@@ -362,6 +371,13 @@ class Drainer:
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
         manifest = durable_manifest(local)
+        commits = dict(self._durable())  # before the commit: a failure here leaves nothing half done
+        newer = [c for c in commits.values() if c.step != task.step and c.sequence >= manifest.sequence]
+        if manifest.sequence and newer:  # the local commit order began before the durable tier was read
+            top = max(newer, key=lambda c: c.sequence)
+            raise CheckpointError(f"checkpoint step {task.step} (commit sequence {manifest.sequence}) would come "
+                                  f"before step {top.step} (sequence {top.sequence}) in the durable tier, which was "
+                                  "not readable when this job started; later steps are drained in order")
         names = {k[len(d) + 1:]: size for k, size in present.items()}
         for entry in manifest.files:
             if names.get(entry.name) != entry.size:
@@ -380,7 +396,6 @@ class Drainer:
         for k in present:  # markers, and files of an earlier drain of the same step
             if k not in keep:
                 _quietly(self.store.delete, k)
-        commits = dict(self._durable())
         commits[task.step] = timeline.Commit(task.step, manifest.sequence, manifest.created)
         with self._lock:
             self._commits = commits
@@ -414,6 +429,15 @@ class Drainer:
             for k in by_step.get(s, []):
                 if k != manifest:
                     _quietly(self.store.delete, k)
+
+
+class _SourceFailed(Exception):
+    """The local copy could not be read or is damaged (``error``): not worth another attempt,
+    unlike a failure of the upload or of the read-back (a byte damaged on the way is retried)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _rank(marker: str) -> int:

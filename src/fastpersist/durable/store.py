@@ -97,7 +97,8 @@ class Store:
         return f"{self.url.rstrip('/')}/{key}" if key else self.url
 
 
-def is_url(location: str | os.PathLike[str]) -> bool:
+def is_url(location: object) -> bool:
+    """Whether ``location`` names object storage (``scheme://...``) rather than a path."""
     return isinstance(location, str) and "://" in location
 
 
@@ -224,8 +225,12 @@ class DirStore(Store):
     def list(self, prefix: str = "") -> dict[str, int]:
         out: dict[str, int] = {}
         top = self.file(prefix.rstrip("/")) if prefix.strip("/") else self.path
+        def fail(e: OSError) -> None:
+            if not (isinstance(e, FileNotFoundError) and e.filename == top):  # nothing written there yet
+                raise e
+
         try:
-            for d, _dirs, files in os.walk(top):
+            for d, _dirs, files in os.walk(top, onerror=fail):
                 for name in files:
                     if ".fastpersist-tmp" in name:
                         continue

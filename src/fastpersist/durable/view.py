@@ -19,19 +19,20 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from fastpersist import catalog, timeline
 from fastpersist.config import IOConfig
 from fastpersist.durable.drain import read_commits
 from fastpersist.durable.store import DirStore, Store, open_store
-from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
 from fastpersist.objects.verify import Problem
 from fastpersist.view import CheckpointInfo, CheckpointView, TensorInfo, tensor_infos
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FETCH_THREADS = 8
 
@@ -43,9 +44,9 @@ class DurableView(CheckpointView):
         location: an ``s3://bucket/prefix`` URL (endpoint and credentials from the client's
             standard environment) or a :class:`~fastpersist.durable.store.Store`.
         config: I/O settings for reading the fetched copy.
-        staging: the local directory fetched checkpoints pass through, if it exists (default:
-            the system's temporary directory; a Checkpointer passes its first root); each load
-            removes its copy when it ends.
+        staging: the local directory fetched checkpoints pass through, created if need be
+            (default: the system's temporary directory; a Checkpointer passes its first root);
+            each load removes its copy when it ends.
     """
 
     def __init__(self, location: str | Store, *, config: IOConfig | None = None, staging: str | None = None) -> None:
@@ -68,8 +69,10 @@ class DurableView(CheckpointView):
             if found is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.url}")
             return found
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise TypeError(f"step must be a non-negative integer or 'latest', got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an integer or 'latest', got {step!r}")
+        if step < 0:
+            raise ValueError(f"step must be a non-negative integer or 'latest', got {step}")
         return step
 
     def manifest(self, step: int | str = "latest") -> mf.Manifest:
@@ -180,9 +183,15 @@ class DurableView(CheckpointView):
     @contextlib.contextmanager
     def _fetched(self, step: int | str,
                  progress: Callable[[int], None] | None = None) -> Iterator[tuple[CheckpointView, str]]:
-        # in the staging directory if it exists (a Checkpointer's first root: fast, and a copy a
-        # crash leaves there is removed by the root's clean start), else the system's temporary one
-        staging = self.staging if self.staging is not None and os.path.isdir(self.staging) else None
+        # in the staging directory, created if need be (a Checkpointer's first root: fast, and a
+        # copy a crash leaves there is removed by the root's clean start), else the system's
+        # temporary one
+        staging = self.staging
+        if staging is not None and not os.path.isdir(staging):
+            try:  # a Checkpointer's first root, not created yet (new machines): its place is here
+                os.makedirs(staging, exist_ok=True)
+            except OSError:
+                staging = None
         top = tempfile.mkdtemp(prefix=".fastpersist-tmp-fetch-", dir=staging)
         try:
             s = self.fetch(step, top, progress=progress)
@@ -252,24 +261,43 @@ def durable_view(durable: str | os.PathLike[str] | Store, config: IOConfig | Non
     return DurableView(store, config=config, staging=staging)
 
 
-def choose_tier(local: CheckpointView, durable: CheckpointView | DurableView | None,
-                step: int | str) -> tuple[CheckpointView | DurableView, int | str]:
-    """The view that holds ``step`` (the local roots', else the durable tier's), and the step
-    to ask it for: for ``"latest"``, the most recent commit of either tier (commit sequences
-    continue across tiers, see :class:`fastpersist.coordinator.Coordinator`)."""
+def latest_of_tiers(local: CheckpointView, durable: CheckpointView | DurableView | None) -> tuple[int | None, bool]:
+    """The most recent commit of either tier (commit sequences continue across tiers, see
+    :class:`fastpersist.coordinator.Coordinator`), and whether it is the durable tier's."""
+    here = local.latest_step()
+    there = durable.latest_step() if durable is not None else None
+    if there is None or durable is None:
+        return here, False
+    if here is None or local.manifest(here).sequence < durable.manifest(there).sequence:
+        return there, True
+    return here, False
+
+
+def read_tiered(local: CheckpointView, durable: CheckpointView | DurableView | None, step: int | str,
+                read: Callable[[CheckpointView, int | str], T]) -> T:
+    """``read(view, step)`` from the tier that holds ``step``: ``"latest"`` is the most recent
+    commit of either tier (from the durable tier, ``"latest"`` itself, so that a damaged one
+    falls back to an older one there); a step the local roots lack, or whose local copy cannot
+    be read (a lost or damaged file), is read from the durable tier if it holds it."""
     if durable is None:
-        return local, step
+        return read(local, step)
     if step == "latest":
-        here, there = local.latest_step(), durable.latest_step()
-        if there is None or (here is not None and local.manifest(here).sequence >= durable.manifest(there).sequence):
-            return local, step
-        logger.info("loading checkpoint step %d from the durable tier %s (the local roots' latest is %s)", there,
-                    durable.roots[0], here)
-        return durable, there
+        latest, remote = latest_of_tiers(local, durable)
+        if remote:
+            logger.info("loading checkpoint step %d from the durable tier %s (the most recent commit)", latest,
+                        durable.roots[0])
+            return read(durable, "latest")
+        if latest is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {local.roots[0]} or in {durable.roots[0]}")
+        step = latest
     try:
-        local.manifest(step)
-        return local, step
-    except CheckpointNotFoundError:
-        logger.info("checkpoint step %s is not in the local roots: loading it from the durable tier %s", step,
-                    durable.roots[0])
-        return durable, step
+        return read(local, step)
+    except CheckpointReadError as e:
+        try:
+            durable.manifest(step)
+        except CheckpointNotFoundError:
+            raise e from None
+        if not isinstance(e, CheckpointNotFoundError):
+            logger.warning("checkpoint step %s cannot be read from the local roots (%s): loading it from the durable "
+                           "tier %s", step, e, durable.roots[0])
+        return read(durable, step)

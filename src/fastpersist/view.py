@@ -63,7 +63,7 @@ def root_list(roots: Roots) -> list[str]:
     return [os.path.abspath(os.fspath(p)) for p in paths]
 
 
-def _resolve(root: str, step: int | str) -> int:
+def resolve_step(root: str, step: int | str) -> int:
     if step == "latest":
         found = catalog.read_latest(root)
         if found is None:
@@ -133,7 +133,7 @@ class CheckpointView:
                 for i in out]
 
     def manifest(self, step: int | str = "latest") -> mf.Manifest:
-        s = _resolve(self.roots[0], step)
+        s = resolve_step(self.roots[0], step)
         return catalog.read_manifest(os.path.join(self.roots[0], catalog.step_dir(s)), self.backend)
 
     def metadata(self, step: int | str = "latest") -> dict[str, Any]:

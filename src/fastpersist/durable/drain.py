@@ -252,7 +252,7 @@ class Drainer:
             elif task.files:
                 marker = json.dumps({"rank": self.rank, "files": [[durable_name(f.root, f.name), f.size]
                                                                   for f in task.files]}).encode()
-                self.store.put(self._marker(task, self.rank), marker)
+                self.store.put(_marker(task, self.rank), marker)
             dt = time.perf_counter() - t0
             logger.info("checkpoint step %d drained to %s: %.1f MiB from this rank in %.2f s%s", task.step,
                         self.store.url, nbytes / 2**20, dt, " (committed there)" if self.rank == 0 else "")
@@ -260,7 +260,7 @@ class Drainer:
         except BaseException as e:  # noqa: BLE001 - reported on the handle and logged, never raised
             if self.rank != 0 and task.files:  # rank 0 stops waiting for this rank's part (best effort)
                 try:
-                    self.store.put(self._marker(task, self.rank) + FAILED, str(e).encode()[:4096])
+                    self.store.put(_marker(task, self.rank) + FAILED, str(e).encode()[:4096])
                 except Exception:  # noqa: BLE001 - rank 0 then waits until its timeout
                     pass
             logger.warning("checkpoint step %d could not be drained to the durable tier %s: %s; it stays committed "
@@ -273,10 +273,6 @@ class Drainer:
                     self.ended()
                 except Exception as e:  # noqa: BLE001 - retention is best effort
                     logger.warning("retention after the drain of checkpoint step %d failed: %s", task.step, e)
-
-    @staticmethod
-    def _marker(task: DrainTask, rank: int) -> str:
-        return f"{catalog.step_dir(task.step)}/{DRAIN_DIR}/{task.save_id}.rank-{rank}"
 
     def _upload_all(self, task: DrainTask) -> int:
         throttle = Throttle(self.bandwidth)
@@ -352,7 +348,7 @@ class Drainer:
         local = catalog.read_manifest(os.path.join(self.roots[0], d))
         if local.save_id != task.save_id:
             raise CheckpointError(f"checkpoint step {task.step} was saved again before its drain finished")
-        want = {self._marker(task, r) for r in task.writers if r != 0}
+        want = {_marker(task, r) for r in task.writers if r != 0}
         deadline = time.monotonic() + self.timeout_s
         pause = 0.05
         while True:
@@ -438,6 +434,10 @@ class _SourceFailed(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _marker(task: DrainTask, rank: int) -> str:
+    return f"{catalog.step_dir(task.step)}/{DRAIN_DIR}/{task.save_id}.rank-{rank}"
 
 
 def _rank(marker: str) -> int:

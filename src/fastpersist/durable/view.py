@@ -29,7 +29,7 @@ from fastpersist.errors import CheckpointError, CheckpointNotFoundError, Checkpo
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
 from fastpersist.objects.verify import Problem
-from fastpersist.view import CheckpointInfo, CheckpointView, TensorInfo, tensor_infos
+from fastpersist.view import CheckpointInfo, CheckpointView, TensorInfo, resolve_step, tensor_infos
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,11 +69,7 @@ class DurableView(CheckpointView):
             if found is None:
                 raise CheckpointNotFoundError(f"no committed checkpoint in {self.url}")
             return found
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an integer or 'latest', got {step!r}")
-        if step < 0:
-            raise ValueError(f"step must be a non-negative integer or 'latest', got {step}")
-        return step
+        return resolve_step(self.url, step)  # a number: checked as every view checks it
 
     def manifest(self, step: int | str = "latest") -> mf.Manifest:
         s = self._resolve(step)

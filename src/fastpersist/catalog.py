@@ -257,9 +257,10 @@ def remove_files(roots: Sequence[str], step: int, prefix: str, backend: FileBack
                 pass
 
 
-def clean_incomplete(roots: Sequence[str], backend: FileBackend) -> list[str]:
+def clean_incomplete(roots: Sequence[str], backend: FileBackend, keep: set[int] | None = None) -> list[str]:
     """Remove what a crashed run left: checkpoint directories without a committed manifest
     (in every root) and temporary files of interrupted atomic writes. Returns what was removed.
+    Steps in ``keep`` (committed on another node: their files here may be its copies) stay.
 
     Only call this when no save of this job can be running (the Checkpointer does it under the
     root lock, before its first save). Failures are logged, never raised.
@@ -270,7 +271,7 @@ def clean_incomplete(roots: Sequence[str], backend: FileBackend) -> list[str]:
         logger.warning("could not remove %s: %s", path, e.strerror or e)
 
     try:
-        committed = {e.step for e in scan(roots[0], backend) if e.committed}
+        committed = {e.step for e in scan(roots[0], backend) if e.committed} | (keep or set())
     except OSError as e:  # best effort: leftovers stay until a later start can list the root
         warn(roots[0], e)
         return removed

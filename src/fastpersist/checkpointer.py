@@ -45,13 +45,18 @@ from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
 from fastpersist.job import SaveJob
+from fastpersist.nodes import Nodes, check_redundancy, node_id
 from fastpersist.protocol import SaveProtocol
 from fastpersist.rank_writer import RankWriter
 from fastpersist.roots import check_roots
 from fastpersist.stage import OverlapGuard, Stager
 from fastpersist.state import to_saveable
 from fastpersist.timeline import Retention
-from fastpersist.view import CheckpointInfo, CheckpointView, Roots, list_checkpoints, load_checkpoint, root_list
+from fastpersist.peers import PeerRestore
+from fastpersist.format.manifest import rank_object
+from fastpersist.errors import CheckpointNotFoundError
+from fastpersist.view import (CheckpointInfo, CheckpointView, Roots, check_keys, list_checkpoints, load_checkpoint,
+                              load_from, load_object, root_list)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +104,13 @@ class Checkpointer:
             from the environment) that committed checkpoints are drained to in the background
             (:mod:`fastpersist.durable`); :meth:`load` falls back to it for steps the local
             roots lack; :meth:`close` finishes the drains in flight.
+        node: this process's node id (default: ``$FASTPERSIST_NODE``, else the host name).
+            Ranks with the same id share the node's roots (its local disks); on several nodes
+            each rank opens only its own node's roots, which may be other paths on each node.
+        redundancy: how many nodes hold every byte of the replicated state (default 2 when
+            the job spans several nodes, 1 on one node); more than the nodes is refused. On
+            several nodes :meth:`load` is collective and restores from whichever nodes hold
+            the bytes (:mod:`fastpersist.peers`).
         durable_every: drain the first checkpoint, then the first one at least this many
             steps after the last drained (default 1). ``durable_keep``: the durable tier's
             retention (None: keep all; its latest is never deleted). ``durable_bandwidth``:
@@ -140,6 +152,8 @@ class Checkpointer:
         durable_every: int = 1,
         durable_keep: int | None = None,
         durable_bandwidth: float | None = None,
+        node: str | None = None,
+        redundancy: int | None = None,
     ) -> None:
         _check_arguments(mode, max_in_flight, snapshot_bytes, history, timeout_s)
         retention = Retention(keep, keep_every, abandoned)
@@ -149,13 +163,17 @@ class Checkpointer:
         # Checkpointer is collected, or at exit: never left to the interpreter's teardown.
         close_comm = getattr(self.comm, "close", None) if comm is None else None
         self._close_comm = weakref.finalize(self, close_comm) if close_comm is not None else None
-        self.roots, hosts, store = _roots_everywhere(self.comm, paths, durable)
+        self.roots, _, self.nodes, store = _roots_everywhere(self.comm, paths, durable, node)
+        self.redundancy = check_redundancy(redundancy, self.nodes)
         self.mode = mode
         self.backend = backend or FileBackend()
         self._config = config
         self._view = CheckpointView(self.roots, config=config, backend=self.backend)
         self.history = History(history)  # metrics of recent saves, and totals
-        self.writer_ranks = writer_ranks(writers, hosts)
+        self.writer_ranks = writer_ranks(writers, [self.nodes.ids[n] for n in self.nodes.of_rank])
+        if len({self.nodes.of_rank[r] for r in self.writer_ranks}) < self.redundancy:
+            raise ValueError(f"redundancy={self.redundancy} needs writers on {self.redundancy} nodes; writers="
+                             f"{writers!r} are on {len({self.nodes.of_rank[r] for r in self.writer_ranks})}")
         self.check_replicated = bool(check_replicated)
         self._closed = False
         self._driver = SaveDriver(self._run, self._finished, self.comm, max_in_flight, when_busy)
@@ -165,12 +183,17 @@ class Checkpointer:
                                  durable_bandwidth, timeout_s, self.config.drain_nice)
         self._durable_view = durable_view(store, config, self.roots[0]) if store is not None else None
         self._coordinator = Coordinator(self.roots, self.backend, retention, self.comm.world_size, clean_start,
-                                        self._drainer.known_commits if self._drainer is not None else None)
+                                        self._drainer.known_commits if self._drainer is not None else None,
+                                        self.nodes, self.comm.rank)
+        leads = self.nodes.count > 1 and self.nodes.is_leader(self.rank)
         self._protocol = SaveProtocol(
             self.comm, RankWriter(self.comm.rank, self.roots, self.backend, lambda: self.config,
-                                  self.check_replicated and self.comm.world_size > 1),
+                                  self.check_replicated and self.comm.world_size > 1,
+                                  self.nodes.of_rank[self.rank] if leads else None, self.nodes, self.redundancy,
+                                  getattr(self.comm, "exchange", None)),
             self._coordinator, self.writer_ranks, len(self.roots), self.check_replicated,
-            lambda: {j.step for j in self._driver.in_flight()}, self._drainer)
+            lambda: {j.step for j in self._driver.in_flight()}, self._drainer, self.nodes, self.redundancy)
+        self._peers = PeerRestore(self.comm, self.nodes, self.roots, self.backend) if self.nodes.count > 1 else None
         _at_exit(_finish_at_exit, weakref.ref(self))
 
     @property
@@ -334,20 +357,44 @@ class Checkpointer:
         """Load a checkpoint's state (sharded tensors resharded into ``into``'s DTensors); see
         :meth:`CheckpointView.load`. A step the local roots lack (new machines, lost disks) is
         read from the durable tier, if there is one; ``"latest"`` is the most recent commit
-        of either."""
-        return read_tiered(self._view, self._durable_view, step, lambda v, s: v.load(
-            s, into, keys=keys, map_location=map_location, weights_only=weights_only, verify=verify))
+        of either. On several nodes this is collective: every rank calls it, and the bytes a
+        node lacks come from the nodes that hold them (:mod:`fastpersist.peers`)."""
+        check_keys(keys, into)
+        return self._read(step, lambda v, s: v.load(
+            s, into, keys=keys, map_location=map_location, weights_only=weights_only, verify=verify),
+            lambda dirs, m: load_from(dirs, m, into, keys, map_location, weights_only, verify, self.config,
+                                      self.backend))
+
+    def _read(self, step: int | str, read: Callable[[CheckpointView, int | str], Any],
+              restore: Callable[[builtins.list[str], Any], Any]) -> Any:
+        """``read`` through the tiers; on several nodes, ``restore`` through the nodes' restore
+        protocol first (the durable tier if no node holds the step complete)."""
+        if self._peers is None:
+            return read_tiered(self._view, self._durable_view, step, read)
+        try:
+            return self._peers.load(step, restore)
+        except CheckpointNotFoundError:
+            if self._durable_view is None:
+                raise
+            logger.info("no node of this job holds checkpoint %s complete: loading it from the durable tier", step)
+            return read(self._durable_view, step)
 
     def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,
                         verify: bool | None = None) -> Any:
         """Load the ``rank_state`` that ``rank`` (default: this rank) saved."""
-        return read_tiered(self._view, self._durable_view, step, lambda v, s: v.load_rank_state(
-            s, into, rank=self.rank if rank is None else rank, map_location=map_location, weights_only=weights_only,
-            verify=verify))
+        who = self.rank if rank is None else rank
+        return self._read(step, lambda v, s: v.load_rank_state(
+            s, into, rank=who, map_location=map_location, weights_only=weights_only, verify=verify),
+            lambda dirs, m: load_object(dirs, m, rank_object(who), into, map_location, weights_only, verify,
+                                        self.config, self.backend))
 
     def metadata(self, step: int | str = "latest") -> dict[str, Any]:
-        """The ``metadata`` saved with ``step``."""
+        """The ``metadata`` saved with ``step`` (on several nodes: collective)."""
+        if self._peers is not None:
+            chosen, _ = self._peers.resolve(step)
+            if chosen is not None:
+                return dict(chosen.manifest.user)
         return read_tiered(self._view, self._durable_view, step, lambda v, s: v.metadata(s))
 
     def list(self) -> builtins.list[CheckpointInfo]:
@@ -358,37 +405,53 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The most recently committed step (not necessarily the largest) of the local roots
-        or the durable tier, or None."""
+        or the durable tier, or None. On several nodes (collective): the most recent commit
+        complete on the job's nodes, else the durable tier's."""
+        if self._peers is not None:
+            chosen, _ = self._peers.resolve("latest")
+            if chosen is not None:
+                return chosen.manifest.step
+            return self._durable_view.latest_step() if self._durable_view is not None else None
         return latest_of_tiers(self._view, self._durable_view)[0]
 
 
-def _roots_everywhere(comm: Comm, paths: list[str],
-                      durable: str | os.PathLike[str] | Store | None) -> tuple[list[str], list[str], Store | None]:
-    """Check the roots and the durable location on every rank; if any rank finds them
-    unusable, or the ranks were given different durable locations, every rank raises (nobody is
-    left waiting in a collective the others skipped). Returns the checked roots, every rank's
-    host name and the durable tier's store."""
+def _roots_everywhere(comm: Comm, paths: list[str], durable: str | os.PathLike[str] | Store | None,
+                      node: str | None = None) -> tuple[list[str], list[str], Nodes, Store | None]:
+    """Check the roots, the node id and the durable location on every rank; if any rank finds
+    them unusable, or the ranks were given different durable locations, or ranks of one node
+    different roots, every rank raises (nobody is left waiting in a collective the others
+    skipped). Returns the checked roots, every rank's host name, the job's nodes and the
+    durable tier's store."""
     error: Exception | None = None
-    roots, store = paths, None
+    roots, store, me = paths, None, ""
+    host = host_name()
     try:
+        me = node_id(node, host)
         roots = check_roots(paths)
         store = open_store(durable) if durable is not None else None
         if isinstance(store, DirStore) and any(os.path.realpath(store.url) == os.path.realpath(r) for r in roots):
             raise ValueError(f"durable: {store.url} is one of the local roots; the durable tier must be elsewhere")
     except (ValueError, TypeError, ImportError, CheckpointWriteError) as e:
         error = e
-    outcomes = comm.all_gather((host_name(), error is None, store.url if store is not None else None))
+    outcomes = comm.all_gather((host, error is None, store.url if store is not None else None, me, roots))
     if error is not None:
         raise error
-    bad = [r for r, (_, ok, _) in enumerate(outcomes) if not ok]
+    bad = [r for r, (_, ok, _, _, _) in enumerate(outcomes) if not ok]
     if bad:
-        raise CheckpointWriteError(f"the checkpoint roots {paths} or the durable location cannot be used on rank(s) "
-                                   f"{bad}; see the error raised there")
-    urls = sorted({u for _, _, u in outcomes if u is not None})
-    if len(urls) > 1 or (urls and any(u is None for _, _, u in outcomes)):
+        raise CheckpointWriteError(f"the checkpoint roots {paths}, the node id or the durable location cannot be used "
+                                   f"on rank(s) {bad}; see the error raised there")
+    urls = sorted({o[2] for o in outcomes if o[2] is not None})
+    if len(urls) > 1 or (urls and any(o[2] is None for o in outcomes)):
         raise ValueError(f"durable: the ranks were given different durable locations ({urls}, or none on some); "
                          "every rank must pass the same one")
-    return roots, [h for h, _, _ in outcomes], store
+    nodes = Nodes.from_ids([o[3] for o in outcomes])
+    for r, o in enumerate(outcomes):
+        first = outcomes[nodes.leader(nodes.of_rank[r])]
+        if len(o[4]) != len(roots) or (o[3] == first[3] and o[4] != first[4]):
+            raise ValueError(f"roots: rank {r} (node {o[3]!r}) was given roots {o[4]}, rank {comm.rank} {roots}"
+                             f"{f', rank {nodes.leader(nodes.of_rank[r])} of the same node {first[4]}' if o[4] != first[4] else ''}"
+                             ": every rank gives as many roots, and the ranks of one node the same ones")
+    return roots, [o[0] for o in outcomes], nodes, store
 
 
 def _close_all(*closers: Callable[[], object] | None) -> None:

@@ -1,9 +1,13 @@
-"""The coordinator's part of a save (rank 0): the roots' lock, the clean start, the commit
-(manifest written last, then ``latest``) and what follows a commit (files of an earlier save
-of the same step removed, retention applied).
+"""The coordinator's part of a save: the roots' lock, the clean start, the commit (manifest
+written last, then ``latest``) and what follows a commit (files of an earlier save of the same
+step removed, retention applied).
 
-Only rank 0 calls these, inside the steps of :mod:`fastpersist.protocol`; it learns what every
-rank wrote from their :class:`~fastpersist.protocol.RankReport` messages.
+On one node, rank 0 calls these, inside the steps of :mod:`fastpersist.protocol`; it learns what
+every rank wrote from their :class:`~fastpersist.protocol.RankReport` messages. On several nodes
+(node-local roots) every node's leader holds its node's lock, cleans its node's roots and
+writes the same manifest there (:meth:`Coordinator.commit_node`); rank 0 alone decides the
+commit's sequence and what retention keeps (:meth:`Coordinator.decide`), and the other leaders
+delete what it no longer keeps (:meth:`Coordinator.prune`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastpersist import catalog, dtensor, timeline
@@ -20,6 +25,7 @@ from fastpersist.errors import CheckpointError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
 from fastpersist.lock import RootLock
+from fastpersist.nodes import Nodes
 from fastpersist.objects.write import build_object, build_sharded
 from fastpersist.retention import Janitor, Retention
 
@@ -29,11 +35,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's part of a commit on several nodes, sent to every node's leader."""
+
+    sequence: int
+    created: float
+    live: frozenset[int]  # the committed steps retention keeps (a leader deletes the others of its node)
+    metadata: Mapping[str, Any] | None = None  # rank 0's, as on one node
+
+
 class Coordinator:
-    """Rank 0's view of the roots: what is committed there, and how a new commit is made."""
+    """A node's view of its roots (rank 0's, or a node leader's): what is committed there, and
+    how a new commit is made."""
 
     def __init__(self, roots: Sequence[str], backend: FileBackend, retention: Retention, world_size: int,
-                 clean_start: bool = True, elsewhere: Callable[[], list[timeline.Commit]] | None = None) -> None:
+                 clean_start: bool = True, elsewhere: Callable[[], list[timeline.Commit]] | None = None,
+                 nodes: Nodes | None = None, rank: int = 0) -> None:
+        self.nodes = nodes if nodes is not None and nodes.count > 1 else None
+        self.node = nodes.of_rank[rank] if self.nodes is not None and nodes is not None else 0
+        self.rank = rank
         self.roots = list(roots)
         self.backend = backend
         self.retention = retention
@@ -57,9 +78,24 @@ class Coordinator:
             self.janitor.drain()
         if not self._root_lock.held:
             self._root_lock.acquire()
-            if self.clean_start:
+            if self.clean_start and self.nodes is None:  # on several nodes: after the inventory (adopt)
                 catalog.clean_incomplete(self.roots, self.backend)
             self._read_commits()
+
+    def local_commits(self) -> dict[int, timeline.Commit]:
+        """What this node's roots hold committed (after :meth:`start`): the first save's inventory."""
+        with self._lock:
+            return dict(self._commits or {})
+
+    def adopt(self, everywhere: Mapping[int, timeline.Commit], leader_of_zero: bool) -> None:
+        """At the first save on several nodes, once every leader's commits are known: clean this
+        node's roots of what no node committed (a step committed on another node keeps its files
+        here: they may be its copies), and on rank 0 take the union as the job's commits."""
+        if self.clean_start:
+            catalog.clean_incomplete(self.roots, self.backend, keep=set(everywhere))
+        if leader_of_zero:
+            with self._lock:
+                self._commits = dict(everywhere)
 
     def _read_commits(self) -> None:
         """What is committed in the roots (for the timeline and retention). A root that cannot
@@ -77,45 +113,97 @@ class Coordinator:
     def commit(self, step: int, save_id: str, written: Sequence[RankReport],
                metadata: Mapping[str, Any] | None, layout: dtensor.Layout) -> None:
         """Write the manifest (the commit point), then point ``latest`` at it."""
+        self._write(step, self._manifest(step, save_id, self._sequence(step), written, metadata, layout))
+
+    def _sequence(self, step: int) -> int:
+        """The next commit's sequence (0: unknown, the roots could not be listed)."""
         if self._commits is None:
             self._read_commits()
         with self._lock:
             known = self._commits is not None
             commits = list((self._commits or {}).values())
-        abandoned = timeline.abandoned_by(step, commits)
+        self._warn_abandoned(step, commits)
         if self._elsewhere is not None:  # what the durable tier is known to hold (cached there)
             self._sequence_floor = max([self._sequence_floor, *(c.sequence for c in self._elsewhere())])
-        sequence = max(timeline.next_sequence(commits), self._sequence_floor + 1) if known else 0
-        manifest = self._manifest(step, save_id, sequence, written, metadata, layout)
+        return max(timeline.next_sequence(commits), self._sequence_floor + 1) if known else 0
+
+    def _write(self, step: int, manifest: mf.Manifest) -> None:
         step_path = os.path.join(self.roots[0], catalog.step_dir(step))
         # The commit point: the manifest is written last, after every rank's data is durable.
         catalog.write_atomic(step_path, mf.MANIFEST_NAME, manifest.to_json(), self.backend, events=True)
         with self._lock:
             if self._commits is not None:
                 self._commits[step] = timeline.Commit(step, manifest.sequence, manifest.created)
+        self.backend.event("before-latest")
+        catalog.point_latest(self.roots[0], step, self.backend)
+
+    def _warn_abandoned(self, step: int, commits: list[timeline.Commit]) -> None:
+        abandoned = timeline.abandoned_by(step, commits)
         if abandoned:
             logger.warning("checkpoint step %d starts a new timeline: steps %s, committed earlier, are abandoned "
                            "(latest is now step %d); %s", step, ", ".join(map(str, abandoned)), step,
                            "they are kept and listed as abandoned" if self.retention.abandoned == "keep"
                            else "retention deletes them")
-        self.backend.event("before-latest")
-        catalog.point_latest(self.roots[0], step, self.backend)
 
     def _manifest(self, step: int, save_id: str, sequence: int, written: Sequence[RankReport],
-                  metadata: Mapping[str, Any] | None, layout: dtensor.Layout) -> mf.Manifest:
+                  metadata: Mapping[str, Any] | None, layout: dtensor.Layout, created: float | None = None
+                  ) -> mf.Manifest:
         reports = [r for w in written for r in w.reports]
-        files = tuple(mf.FileEntry(r.root, r.name, r.size) for r in reports)
+        node_of = [self.nodes.of_rank[rank] if self.nodes is not None else 0
+                   for rank, w in enumerate(written) for _ in w.reports]
+        files = tuple(mf.FileEntry(r.root, r.name, r.size, n) for r, n in zip(reports, node_of))
         index = {(r.root, r.name): i for i, r in enumerate(reports)}
         objects: dict[str, mf.ObjectEntry] = {}
         for w in written:
             for obj, (keys, sizes, tensors) in w.objects.items():
-                skel = next(r for r in reports if r.object == obj and r.skeleton_checksum is not None)
+                if obj in objects:  # the replicated state is reported by every node's leader
+                    continue
+                skeletons = [index[(r.root, r.name)] for r in reports if r.object == obj and r.skeleton_checksum is not None]
+                skel = reports[skeletons[0]]
                 data = [(index[(r.root, r.name)], r) for r in reports if r.object == obj and r.skeleton_checksum is None]
-                objects[obj] = build_object(keys, sizes, index[(skel.root, skel.name)], skel, data, tensors)
+                objects[obj] = build_object(keys, sizes, skeletons, skel, data, tensors, files)
         chunks = [(index[(r.root, r.name)], r) for r in reports if r.object == mf.SHARDED]
-        return mf.Manifest(step, save_id, time.time(), self.world_size, len(self.roots), files, objects,
-                           user=dict(metadata or {}), sequence=sequence, sharded=build_sharded(layout, chunks),
-                           root_paths=tuple(self.roots))
+        extra: dict[str, Any] = {}
+        if self.nodes is not None:
+            extra = {"version": mf.FORMAT_VERSION, "nodes": self.nodes.ids, "node": self.node}
+        return mf.Manifest(step, save_id, time.time() if created is None else created, self.world_size,
+                           len(self.roots), files, objects, user=dict(metadata or {}), sequence=sequence,
+                           sharded=build_sharded(layout, chunks, files), root_paths=tuple(self.roots), **extra)
+
+    def decide(self, step: int, metadata: Mapping[str, Any] | None, protected: set[int]) -> Decision:
+        """Rank 0, on several nodes: the commit's sequence and time, and the steps retention
+        keeps once this one is committed (every node's leader deletes the others; rank 0's own
+        retention after the commit comes to the same)."""
+        sequence = self._sequence(step)
+        created = time.time()
+        with self._lock:
+            if self._commits is None:
+                return Decision(sequence, created, frozenset(), metadata)
+            after = {**self._commits, step: timeline.Commit(step, sequence, created)}
+        gone = self.retention.to_delete(list(after.values()), protected | {step} | self.janitor.deleting())
+        return Decision(sequence, created, frozenset(after) - set(gone), metadata)
+
+    def commit_node(self, step: int, save_id: str, written: Sequence[RankReport], layout: dtensor.Layout,
+                    decision: Decision) -> None:
+        """A node leader's commit on several nodes: the same manifest (this node's index and
+        root paths) written last on this node's roots, then ``latest``."""
+        manifest = self._manifest(step, save_id, decision.sequence, written, decision.metadata, layout,
+                                  decision.created)
+        self._write(step, manifest)
+
+    def prune(self, decision: Decision, protected: set[int]) -> None:
+        """A node leader other than rank 0's, after a commit: delete this node's copies of the
+        steps rank 0's retention no longer keeps (never one in ``protected``)."""
+        if not decision.live:
+            return
+        with self._lock:
+            if self._commits is None:
+                return
+            victims = [s for s in self._commits if s not in decision.live and s not in protected
+                       and s not in self.janitor.deleting()]
+            gone = {old: self._commits.pop(old) for old in victims}
+        if gone:
+            self.janitor.delete(gone, self._kept)
 
     def is_committed(self, step: int, save_id: str) -> bool:
         """Whether the commit of this save (``save_id``) of ``step`` happened."""
@@ -125,12 +213,17 @@ class Coordinator:
         except CheckpointError:
             return False
 
-    def after_commit(self, step: int, written: Sequence[RankReport], protected: set[int]) -> None:
+    def after_commit(self, step: int, written: Sequence[RankReport], protected: set[int],
+                     decision: Decision | None = None) -> None:
         """Drop files of an earlier save of the same step, then apply retention (never to a
-        step in ``protected``: those in flight). Deletions are best effort."""
+        step in ``protected``: those in flight): rank 0 decides, the other nodes' leaders
+        follow its ``decision``. Deletions are best effort."""
         keep = {(r.root, r.name) for w in written for r in w.reports}
         catalog.remove_files(self.roots, step, "", self.backend, keep=keep)
-        self.retain(protected | {step})
+        if decision is not None and self.rank != 0:
+            self.prune(decision, protected | {step})
+        else:
+            self.retain(protected | {step})
 
     def retain(self, protected: set[int]) -> None:
         """Apply retention (never to a step in ``protected``); after a commit, and when a

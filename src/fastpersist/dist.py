@@ -83,6 +83,7 @@ class GlooComm:
                                         "control": dist.new_group(backend="gloo", timeout=timeout)}
         self._kept: dict[str, collections.deque[tuple[Any, ...]]] = {
             c: collections.deque(maxlen=self._KEEP) for c in self._groups}
+        self._kept_p2p: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=2)  # large: kept briefly
 
     def all_gather(self, obj: Any, channel: str = "work") -> list[Any]:
         group = self._groups.get(channel)
@@ -115,6 +116,42 @@ class GlooComm:
         self._dist.all_gather(gathered, mine, group=group)
         return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes)]
 
+    def broadcast(self, tensor: Any, src: int, channel: str = "control") -> None:
+        """Broadcast a CPU tensor from rank ``src`` to every rank, in place (the restore
+        protocol's bytes, :mod:`fastpersist.peers`)."""
+        group = self._groups.get(channel)
+        if group is None:
+            raise CheckpointError(f"checkpoint coordination on rank {self.rank} after its process groups were "
+                                  "closed (the Checkpointer is closed)")
+        self._kept[channel].append((tensor,))
+        try:
+            self._dist.broadcast(tensor, src=src, group=group)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"checkpoint coordination failed on rank {self.rank}: another rank died or did not answer "
+                f"within {self.timeout_s:.0f} s (gloo: {str(e).splitlines()[0][:300]})"
+            ) from e
+
+    def exchange(self, sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]], channel: str = "work") -> None:
+        """Send each (rank, tensor) of ``sends`` and receive each (rank, tensor) of ``recvs`` at
+        once, and wait for all (copies of unique bytes, :mod:`fastpersist.partners`)."""
+        group = self._groups.get(channel)
+        if group is None:
+            raise CheckpointError(f"checkpoint coordination on rank {self.rank} after its process groups were "
+                                  "closed (the Checkpointer is closed)")
+        self._kept_p2p.append((*(t for _, t in sends), *(t for _, t in recvs)))
+        try:
+            reqs = [self._dist.isend(t, dst, group=group) for dst, t in sends]
+            reqs += [self._dist.irecv(t, src, group=group) for src, t in recvs]
+            for r in reqs:
+                if r is not None:
+                    r.wait()
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"checkpoint coordination failed on rank {self.rank}: another rank died or did not answer "
+                f"within {self.timeout_s:.0f} s (gloo: {str(e).splitlines()[0][:300]})"
+            ) from e
+
     def close(self) -> None:
         """Destroy this comm's groups, joining their threads, then drop the tensors gloo had
         (idempotent; no collective). Works whether or not the training's process groups were
@@ -129,6 +166,7 @@ class GlooComm:
                 logger.debug("fastpersist's process group was already destroyed: %s", e)
             del group  # the last reference: the group's threads are joined here
         self._kept.clear()
+        self._kept_p2p.clear()
 
 
 def default_comm(timeout_s: float = 600.0) -> Comm:

@@ -156,3 +156,38 @@ class HoldWrite(FaultyBackend):
 
 
 _NEVER_KILLED_S = 600.0  # a held process nobody kills exits (status 3) rather than hang for ever
+
+
+class NodeLocal(FileBackend):
+    """Real files, but only those of one simulated node: every path below ``base`` that is not
+    under ``base/<node>`` is another node's disk, and opening, listing, locking or deleting it
+    fails with EACCES. Tests and benchmarks run several "nodes" on one machine with it, so that
+    a rank provably opens only its own node's roots."""
+
+    def __init__(self, base: str, node: str) -> None:
+        self.base = os.path.abspath(base)
+        self.mine = os.path.join(self.base, node)
+
+    def check(self, path: str) -> None:
+        p = os.path.abspath(path)
+        if p.startswith(self.base + os.sep) and not (p == self.mine or p.startswith(self.mine + os.sep)):
+            raise PermissionError(errno_codes.EACCES, f"{p} lies on another node's disks", p)
+
+    def before_open(self, root: int, path: str) -> None:
+        self.check(path)
+
+    def before_read(self, path: str, offset: int | None, nbytes: int | None) -> None:
+        self.check(path)
+
+    def before_list(self, path: str) -> None:
+        self.check(path)
+
+    def before_delete(self, path: str) -> None:
+        self.check(path)
+
+    def before_lock(self, path: str) -> None:
+        self.check(path)
+
+    def makedirs(self, path: str) -> None:
+        self.check(path)
+        super().makedirs(path)

@@ -11,7 +11,9 @@ raises everywhere and nobody waits in a collective the others skipped):
    the directories; each rank sends a :class:`RankReport` of what it wrote. The ranks then
    check that the replicated state is replicated (digests taken beside the writes).
 3. (coordinator) commit (:class:`~fastpersist.coordinator.Coordinator`): the manifest built
-   from every rank's report is written last, atomically and durably; then ``latest``.
+   from every rank's report is written last, atomically and durably; then ``latest``. On
+   several nodes (node-local roots) this is two steps: rank 0 decides the commit's sequence
+   and what retention keeps, then every node's leader writes the same manifest on its node.
 
 After the commit, a step due for the durable tier is queued for each rank's drain thread
 (:mod:`fastpersist.durable.drain`: no collective, nothing waits for it).
@@ -29,18 +31,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fastpersist import catalog, dtensor
+from fastpersist import catalog, dtensor, timeline
 from fastpersist.dist import Comm, agree
 from fastpersist.durable.drain import Drainer, drain_files
 from fastpersist.errors import CheckpointError, CheckpointWriteError
 from fastpersist.format import manifest as mf
 from fastpersist.job import SaveJob
+from fastpersist.nodes import Nodes, redundant_plan
 from fastpersist.objects.write import FileReport, Prepared, prepare
-from fastpersist.plan import Extent, plan, plan_digest
+from fastpersist.plan import Extent, plan_digest
 from fastpersist.replicas import check_replicas, check_replicated_chunks
 
 if TYPE_CHECKING:
-    from fastpersist.coordinator import Coordinator
+    from fastpersist.coordinator import Coordinator, Decision
     from fastpersist.rank_writer import RankWriter
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,9 @@ class Proposal:
     step: int
     number: int  # this Checkpointer's n-th save on that rank
     chunks: list[dtensor.ChunkMeta]  # this rank's DTensor chunks
+    # several nodes, first save, a node's leader: what its node's roots hold committed
+    commits: dict[int, timeline.Commit] | None = None
+    own: tuple[int, list[int]] | None = None  # several nodes: its rank_state's skeleton length and storage sizes
 
 
 @dataclass
@@ -79,6 +85,8 @@ class SavePlan:
     layout: dtensor.Layout  # who writes which DTensor chunk
     replicated: Prepared
     own: Prepared | None
+    multi_node: bool = False  # several nodes: each node's leader writes its copy of the skeleton
+    owns: list[tuple[int, list[int]] | None] = field(default_factory=list)  # every rank's Proposal.own
 
 
 class SaveProtocol:
@@ -86,8 +94,11 @@ class SaveProtocol:
 
     def __init__(self, comm: Comm, writer: RankWriter, coordinator: Coordinator, writer_ranks: list[int],
                  roots: int, check_replicated: bool, in_flight: Callable[[], set[int]],
-                 drainer: Drainer | None = None) -> None:
+                 drainer: Drainer | None = None, nodes: Nodes | None = None, redundancy: int = 1) -> None:
         self.comm = comm
+        self.nodes = nodes if nodes is not None and nodes.count > 1 else None
+        self.redundancy = redundancy
+        self._inventoried = False  # several nodes: the leaders' commits were gathered (first save)
         self.drainer = drainer  # the durable tier's, if there is one
         self._taken: int | None = None  # rank 0: the step its drain took in this save's commit
         if drainer is not None and comm.rank == 0:  # a local copy a drain held back may go when it ends
@@ -96,12 +107,18 @@ class SaveProtocol:
         self.writer = writer
         self.coordinator = coordinator
         self.slots = [(r, j) for r in writer_ranks for j in range(roots)]
+        self.slot_nodes = [self.nodes.of_rank[r] if self.nodes is not None else 0 for r, _ in self.slots]
         self.check_replicated = check_replicated and comm.world_size > 1
         self.broken: str | None = None  # set on every rank alike when the ranks fell out of step
 
     @property
     def rank(self) -> int:
         return self.comm.rank
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank speaks for its node's roots (on one node: rank 0)."""
+        return self.nodes.is_leader(self.rank) if self.nodes is not None else self.rank == 0
 
     def run(self, job: SaveJob) -> None:
         if self.broken is not None:  # no collective: the other ranks stopped too
@@ -110,21 +127,31 @@ class SaveProtocol:
         try:
             proposals = agree(self.comm, f"preparing checkpoint step {job.step}", lambda: self._propose(job))
             p = self._plan(job, proposals)
+            if self.nodes is not None and not self._inventoried:  # every node cleaned before anyone writes
+                agree(self.comm, f"preparing checkpoint step {job.step} (cleaning every node's roots)",
+                      lambda: self._adopt(proposals))
         except BaseException:
             job.completion.staged()
             raise
         self._taken = None
+        phase = "data"
         try:
             written = agree(self.comm, f"writing checkpoint step {job.step}", lambda: self.writer.write(job, p))
             if self.check_replicated:
                 check_replicas(job.step, [w.digests for w in written], p.replicated, job.state)
                 check_replicated_chunks(job.step, [w.chunk_digests for w in written], [c.key for c in p.layout.chunks])
-            drain = agree(self.comm, f"committing checkpoint step {job.step}",
-                          lambda: self._commit(job, p, written) if self.rank == 0 else None)[0]
+            decided = agree(self.comm, f"committing checkpoint step {job.step}",
+                            lambda: self._commit(job, p, written) if self.rank == 0 else None)[0]
+            drain, decision = decided if isinstance(decided, tuple) else (bool(decided), None)
+            if decision is not None:
+                phase = "nodes"
+                agree(self.comm, f"committing checkpoint step {job.step} on every node", lambda: self.coordinator.
+                      commit_node(job.step, p.save_id, written, p.layout, decision) if self.leader
+                      else None)
         except CheckpointError:
             if self.drainer is not None and self._taken == job.step:
                 self.drainer.forget(job.step)  # rank 0 took it, then the commit failed somewhere: never queued
-            if not self.coordinator.is_committed(job.step, p.save_id):  # after the commit point, files stay
+            if not self._committed(job.step, p.save_id, phase == "nodes"):  # after the commit point, files stay
                 catalog.remove_files(self.writer.roots, job.step, f"{p.save_id}-", self.writer.backend, prune=True)
             raise
         self._account(job, written)
@@ -133,21 +160,38 @@ class SaveProtocol:
         except Exception as e:  # noqa: BLE001 - committed: the durable tier must not fail the save
             logger.warning("checkpoint step %d is committed; queueing its drain failed: %s", job.step, e)
             job.completion.not_drained()
-        if self.rank == 0:
+        if self.leader:
             try:
                 pending = self.drainer.pending() if self.drainer is not None else set()
-                self.coordinator.after_commit(job.step, written, self._in_flight() | pending)
+                self.coordinator.after_commit(job.step, written, self._in_flight() | pending, decision)
             except Exception as e:  # noqa: BLE001 - committed: a cleanup failure must not fail the save
                 logger.warning("checkpoint step %d is committed; cleaning up after it failed: %s", job.step, e)
 
-    def _commit(self, job: SaveJob, p: SavePlan, written: list[RankReport]) -> bool:
+    def _committed(self, step: int, save_id: str, on_nodes: bool) -> bool:
+        """After a failure: whether this save is committed (its files must stay). When the
+        nodes' commit failed on some, it is committed if any node wrote its manifest (every
+        rank hears which; a rank that cannot ask keeps its files: a later start removes them
+        if no node committed the step)."""
+        here = self.coordinator.is_committed(step, save_id)
+        if not on_nodes:
+            return here
+        try:
+            return any(self.comm.all_gather(here))
+        except CheckpointError:
+            return True
+
+    def _commit(self, job: SaveJob, p: SavePlan, written: list[RankReport]) -> bool | tuple[bool, Decision]:
         """Step 3 on rank 0; returns whether the step is drained to the durable tier, which
         rank 0 alone decides (its drain ends only when every rank's part is up, so its queue
         bounds everyone's) and every rank learns from this step's all-gather. A step to drain
         is marked first, so that retention and the drain's clean-up spare it from the moment
-        any rank can learn of its commit."""
+        any rank can learn of its commit. On several nodes rank 0 only decides (the nodes'
+        leaders commit next)."""
         drain = self.drainer is not None and self.drainer.take(job.step)
         self._taken = job.step if drain else None
+        if self.nodes is not None:
+            pending = self.drainer.pending() if self.drainer is not None else set()
+            return drain, self.coordinator.decide(job.step, job.metadata, self._in_flight() | pending)
         self.coordinator.commit(job.step, p.save_id, written, job.metadata, p.layout)
         return drain
 
@@ -167,10 +211,17 @@ class SaveProtocol:
             own = prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
             job.prepared = (rep, own)
         rep = job.prepared[0]
-        digest = plan_digest(rep.sizes, len(self.slots), extra=rep.skeleton_checksum.to_bytes(8, "big"))
-        if self.rank == 0:
+        extra = rep.skeleton_checksum.to_bytes(8, "big") + f"|{self.redundancy}|{self.slot_nodes}".encode()
+        digest = plan_digest(rep.sizes, len(self.slots), extra=extra)
+        commits = None
+        if self.leader:
             self.coordinator.start(job.step)
-        return Proposal(digest, secrets.token_hex(6), job.step, job.number, [sh.meta for sh in job.shards])
+            if self.nodes is not None and not self._inventoried:
+                commits = self.coordinator.local_commits()
+        own = job.prepared[1]
+        unique = (len(own.skeleton), own.sizes) if own is not None and self.nodes is not None else None
+        return Proposal(digest, secrets.token_hex(6), job.step, job.number, [sh.meta for sh in job.shards], commits,
+                        unique)
 
     def _plan(self, job: SaveJob, proposals: list[Proposal]) -> SavePlan:
         """The plan every rank derives alike from the proposals; or, on every rank alike, why not."""
@@ -196,7 +247,22 @@ class SaveProtocol:
             )
         rep, own = job.prepared  # type: ignore[misc]
         return SavePlan(job.step, catalog.step_dir(job.step), first.save_id, self.slots,
-                        plan(rep.sizes, len(self.slots)), dtensor.assign([x.chunks for x in proposals]), rep, own)
+                        redundant_plan(rep.sizes, self.slot_nodes, self.redundancy),
+                        dtensor.assign([x.chunks for x in proposals]), rep, own, self.nodes is not None,
+                        [x.own for x in proposals])
+
+    def _adopt(self, proposals: list[Proposal]) -> None:
+        """First save on several nodes: every leader learns what every node holds committed
+        (a step committed on one node may have its copies on another) before it cleans its
+        roots; rank 0 orders the job's commits after all of them."""
+        everywhere: dict[int, timeline.Commit] = {}
+        for x in proposals:
+            for step, c in (x.commits or {}).items():
+                if step not in everywhere or c.sequence > everywhere[step].sequence:
+                    everywhere[step] = c
+        if self.leader:
+            self.coordinator.adopt(everywhere, self.rank == 0)
+        self._inventoried = True
 
     def _account(self, job: SaveJob, written: list[RankReport]) -> None:
         m = job.metrics

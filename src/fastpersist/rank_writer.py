@@ -13,7 +13,8 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from fastpersist import dtensor
 from fastpersist.config import IOConfig
@@ -24,6 +25,9 @@ from fastpersist.job import SaveJob
 from fastpersist.objects.write import FileReport, write_chunks, write_skeleton, write_slots
 from fastpersist.plan import Extent, plan
 from fastpersist.protocol import RankReport, SavePlan
+from fastpersist.nodes import Nodes
+from fastpersist.partners import Receiver, Sender, Unique, partners, senders, unique_extents
+from fastpersist.partners import exchange as copies_exchange
 from fastpersist.replicas import ReplicaDigests, tensor_digest
 
 
@@ -31,8 +35,14 @@ class RankWriter:
     """Writes one rank's part of a checkpoint under ``roots``."""
 
     def __init__(self, rank: int, roots: Sequence[str], backend: FileBackend, config: Callable[[], IOConfig],
-                 hash_replicas: bool) -> None:
+                 hash_replicas: bool, node: int | None = None, nodes: Nodes | None = None, redundancy: int = 1,
+                 exchange: Callable[[list[Any], list[Any]], None] | None = None) -> None:
         self.rank = rank
+        # several nodes with redundancy: the partners' copies of unique bytes (fastpersist.partners)
+        self.nodes, self.redundancy, self.exchange = nodes, redundancy, exchange
+        # on several nodes: this rank's node if it is the node's leader (it writes the node's copy of
+        # the replicated skeleton), else None; on one node rank 0 writes it
+        self.skeleton_node = node
         self.roots = list(roots)
         self.backend = backend
         self._config = config
@@ -80,8 +90,9 @@ class RankWriter:
                 jobs.append((mine, j, os.path.join(dirs[j], f"{p.save_id}-{rep.name}-{s:04d}.bin")))
         if jobs:
             reports += write_slots(rep, jobs, self.backend, cfg)
-        if self.rank == 0:
-            path = os.path.join(dirs[0], f"{p.save_id}-{rep.name}.skel")
+        if self.skeleton_node is not None or (self.rank == 0 and not p.multi_node):
+            copy = f"-n{self.skeleton_node:04d}" if self.skeleton_node is not None else ""
+            path = os.path.join(dirs[0], f"{p.save_id}-{rep.name}{copy}.skel")
             reports.append(write_skeleton(rep, 0, path, self.backend))
             objects[rep.name] = (rep.keys, rep.sizes, rep.tensors)
         if own is not None:
@@ -92,11 +103,39 @@ class RankWriter:
             path = os.path.join(dirs[0], f"{p.save_id}-{own.name}.skel")
             reports.append(write_skeleton(own, 0, path, self.backend))
             objects[own.name] = (own.keys, own.sizes, own.tensors)
-        reports += self._write_shards(p, job.shards, cfg)
+        copying = self._copy_unique(job, p, dirs)  # beside this rank's own writes
+        try:
+            reports += self._write_shards(p, job.shards, cfg)
+        finally:
+            if copying is not None:
+                reports += copying.result()
         for d in dirs:  # the new files' directory entries are durable too
             self.backend.fsync_dir(d)
         self.backend.event("after-data")
         return RankReport(reports, objects)
+
+    def _copy_unique(self, job: SaveJob, p: SavePlan, dirs: list[str]) -> Future[list[FileReport]] | None:
+        """Several nodes, redundancy > 1: send this rank's unique bytes to its partners and write
+        the copies of its senders', in a thread beside the writes (see :mod:`fastpersist.partners`)."""
+        if not p.multi_node or self.redundancy < 2 or self.nodes is None or self.exchange is None:
+            return None
+        roots = len(self.roots)
+
+        def extents(rank: int) -> list[Unique]:
+            return unique_extents(p.owns[rank], [x for x in p.layout.pieces if x.rank == rank], roots)
+
+        mine = extents(self.rank)
+        sender = Sender(mine, p.own, job.shards, p.layout) if mine else None
+        node = self.nodes.of_rank[self.rank]
+        receivers = [Receiver(k, ext, p.save_id, node, dirs, self.backend)
+                     for k in senders(self.nodes, self.rank, self.redundancy) if (ext := extents(k))]
+        to = partners(self.nodes, self.rank, self.redundancy)
+        exchange = self.exchange
+        pool = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-copies")
+        try:
+            return pool.submit(lambda: copies_exchange(exchange, sender, to, receivers))
+        finally:
+            pool.shutdown(wait=False)
 
     def _write_shards(self, p: SavePlan, shards: list[dtensor.LocalShard], cfg: IOConfig) -> list[FileReport]:
         """Write this rank's pieces of the distinct chunks, balanced over the roots; in the

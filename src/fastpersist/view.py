@@ -12,6 +12,7 @@ import builtins
 import dataclasses
 import logging
 import os
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from fastpersist.objects import verify as objverify
 from fastpersist.objects.files import check_unverified
 from fastpersist.config import IOConfig, get_config
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from fastpersist.format import copies
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.reader import allocate
@@ -145,6 +147,26 @@ class CheckpointView:
         name = catalog.step_dir(manifest.step)
         return [os.path.join(r, name) for r in self.roots], manifest
 
+    def verify(self, step: int | str = "latest", *,
+               progress: Callable[[int], None] | None = None) -> builtins.list[objverify.Problem]:
+        """Read every byte of ``step`` and check every checksum; the problems found (empty: OK).
+
+        ``progress``, if given, is called with the byte count of each piece of data hashed.
+        A checkpoint of a job on several nodes is checked where its copies lie in these roots;
+        bytes with no copy here are one problem, naming them.
+        """
+        manifest = self.manifest(step)
+        dirs = [os.path.join(r, catalog.step_dir(manifest.step)) for r in self.roots]
+        problems: builtins.list[objverify.Problem] = []
+        if manifest.nodes:
+            choose = _present_in(dirs, manifest)
+            local, missing = copies.localize(manifest, choose)
+            if missing:
+                problems.append(objverify.Problem(dirs[0], "copies", None, copies.describe_missing(manifest, missing)
+                                                  + " have no copy under these roots (not checked)"))
+            manifest = _without(local, lambda e: choose(e) is not None)
+        return problems + objverify.verify(dirs, manifest, backend=self.backend, progress=progress)[0]
+
     def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
              keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
              verify: bool | None = None) -> Any:
@@ -176,14 +198,9 @@ class CheckpointView:
                 tensor in ``into`` has another shape or dtype than the saved one (nothing is
                 read then).
         """
+        check_keys(keys, into)
         dirs, manifest = self._dirs(step)
-        if keys is not None:
-            if into is not None:
-                raise ValueError("load(keys=...) returns the tensors it reads; it does not take `into`")
-            if isinstance(keys, str):
-                raise TypeError("keys must be a collection of key paths (a str is one key: pass [key])")
-            return load_tensors(dirs, manifest, list(keys), map_location, verify, self.config, self.backend)
-        return load_state(dirs, manifest, into, map_location, weights_only, verify, self.config, self.backend)
+        return load_from(dirs, manifest, into, keys, map_location, weights_only, verify, self.config, self.backend)
 
     def tensors(self, step: int | str = "latest") -> builtins.list[TensorInfo]:
         """Every tensor of the checkpoint's state indexed by key: key, dtype, shape, bytes, and
@@ -204,16 +221,6 @@ class CheckpointView:
         return load_object(dirs, manifest, name, into, map_location, weights_only, verify, self.config,
                            self.backend)
 
-    def verify(self, step: int | str = "latest", *,
-               progress: Callable[[int], None] | None = None) -> builtins.list[objverify.Problem]:
-        """Read every byte of ``step`` and check every checksum; the problems found (empty: OK).
-
-        ``progress``, if given, is called with the byte count of each piece of data hashed.
-        """
-        dirs, manifest = self._dirs(step)
-        return objverify.verify(dirs, manifest, backend=self.backend, progress=progress)[0]
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     """A tensor of a checkpoint (see :meth:`CheckpointView.tensors`)."""
@@ -225,6 +232,48 @@ class TensorInfo:
     sharded: bool
     chunks: int = 1
     object: str = mf.REPLICATED
+
+
+def _present_in(dirs: Sequence[str], manifest: mf.Manifest) -> Callable[[mf.ExtentEntry], copies.Location | None]:
+    """A chooser for :func:`copies.localize`: the first location whose file is under ``dirs``
+    (a regular file of at least its listed size)."""
+    here: dict[int, bool] = {}
+
+    def present(f: int) -> bool:
+        if f not in here:
+            entry = manifest.files[f]
+            try:
+                st = os.lstat(os.path.join(dirs[entry.root], entry.name)) if entry.root < len(dirs) else None
+            except OSError:
+                st = None
+            here[f] = st is not None and stat.S_ISREG(st.st_mode) and st.st_size >= entry.size
+        return here[f]
+
+    return lambda e: next((loc for loc in e.locations() if present(loc[0])), None)
+
+
+def local_copies(dirs: Sequence[str], manifest: mf.Manifest) -> mf.Manifest:
+    """A checkpoint of a job on several nodes, as this node's roots hold it: every extent at
+    its copy under ``dirs``; an error naming what has no copy there. Any other checkpoint is
+    returned as it is."""
+    if not manifest.nodes:
+        return manifest
+    local, missing = copies.localize(manifest, _present_in(dirs, manifest))
+    if missing:
+        raise CheckpointReadError(
+            f"{dirs[0]}: checkpoint step {manifest.step} was saved by a job on {len(manifest.nodes)} nodes and these "
+            f"roots do not hold all of it: {copies.describe_missing(manifest, missing)} have no copy here. Load it "
+            "inside the job (Checkpointer.load restores from the other nodes), or from the durable tier")
+    return local
+
+
+def _without(manifest: mf.Manifest, here: Callable[[mf.ExtentEntry], bool]) -> mf.Manifest:
+    """The manifest less the objects and sharded tensors with an extent not ``here`` (for
+    verify: what has no copy here is named once, not as unreadable files)."""
+    objects = {n: o for n, o in manifest.objects.items()
+               if here(o.skeleton) and all(here(e) for s in o.storages for e in s.extents)}
+    sharded = tuple(t for t in manifest.sharded if all(here(e) for c in t.chunks for e in c.extents))
+    return dataclasses.replace(manifest, objects=objects, sharded=sharded)
 
 
 def tensor_infos(manifest: mf.Manifest) -> list[TensorInfo]:
@@ -248,9 +297,27 @@ def _wrap(where: str, manifest: mf.Manifest, what: str, fn: Any) -> Any:
                                   f"{type(e).__name__}: {e}") from e
 
 
+def check_keys(keys: Iterable[str] | None, into: Mapping[str, Any] | None) -> None:
+    if keys is not None:
+        if into is not None:
+            raise ValueError("load(keys=...) returns the tensors it reads; it does not take `into`")
+        if isinstance(keys, str):
+            raise TypeError("keys must be a collection of key paths (a str is one key: pass [key])")
+
+
+def load_from(dirs: list[str], manifest: mf.Manifest, into: Mapping[str, Any] | None, keys: Iterable[str] | None,
+              map_location: Any, weights_only: bool, verify: bool | None, config: IOConfig,
+              backend: FileBackend | None = None) -> Any:
+    """What :meth:`CheckpointView.load` returns, from the checkpoint's directories and manifest."""
+    if keys is not None:
+        return load_tensors(dirs, manifest, list(keys), map_location, verify, config, backend)
+    return load_state(dirs, manifest, into, map_location, weights_only, verify, config, backend)
+
+
 def load_state(dirs: list[str], manifest: mf.Manifest, into: Mapping[str, Any] | None, map_location: Any,
                weights_only: bool, verify: bool | None, config: IOConfig, backend: FileBackend | None = None) -> Any:
     """The replicated state with the sharded tensors in place, restored into ``into``."""
+    manifest = local_copies(dirs, manifest)
     obj = load_object(dirs, manifest, mf.REPLICATED, None, map_location, weights_only, verify, config, backend)
     if manifest.sharded:
         do_verify = config.verify if verify is None else verify
@@ -317,6 +384,7 @@ def load_tensors(dirs: list[str], manifest: mf.Manifest, keys: list[str], map_lo
     """The tensors named by ``keys`` (whole), reading only their bytes."""
     import torch
 
+    manifest = local_copies(dirs, manifest)
     where = dirs[0]
     if manifest.version < 3:
         raise CheckpointReadError(f"{where}: checkpoint step {manifest.step} was written in format version "
@@ -386,6 +454,7 @@ def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping
                 map_location: Any, weights_only: bool, verify: bool | None, config: IOConfig,
                 backend: FileBackend | None = None) -> Any:
     """Read one object of a checkpoint; every failure is a :class:`CheckpointError`."""
+    manifest = local_copies(dirs, manifest)
     do_verify = config.verify if verify is None else verify
     where = dirs[0]
     obj = _wrap(where, manifest, f"rebuild object {name!r}", lambda: objread.read_object(

@@ -462,7 +462,7 @@ def _lower_priority(nice: int) -> None:
 def durable_manifest(local: mf.Manifest) -> mf.Manifest:
     """The durable copy's manifest: one root, the files renamed into it (no root path: the
     copy is read wherever it is), all else unchanged."""
-    files = tuple(mf.FileEntry(0, durable_name(f.root, f.name), f.size) for f in local.files)
+    files = tuple(mf.FileEntry(0, durable_name(f.root, f.name), f.size, f.node) for f in local.files)
     return dataclasses.replace(local, roots=1, files=files, root_paths=())
 
 

@@ -24,9 +24,13 @@ from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, Un
 from fastpersist.format import jsondoc
 
 FORMAT_NAME = "fastpersist-checkpoint"
+# 4: copies across nodes (the job's nodes, each file's node, each extent's other copies); written
+#    only by a job that spans several nodes (one node writes version 3);
 # 3: tensors indexed by key path, sharded tensors (chunks with global offsets), the roots' paths;
 # 2: the manifest carries a checksum of its own content (version 1 did not).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+SINGLE_NODE_VERSION = 3  # what a job on one node writes
+MAX_NODES = 1 << 16
 HASH_NAME = "xxh3-64"
 MANIFEST_NAME = "manifest.json"
 REPLICATED = "replicated"
@@ -92,6 +96,7 @@ class FileEntry:
     root: int
     name: str
     size: int
+    node: int = 0  # version 4: the index (in Manifest.nodes) of the node whose disks hold it
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,12 @@ class ExtentEntry:
     start: int
     nbytes: int
     checksum: int
+    # version 4: the same bytes at (file, offset) in files on other nodes, one per node
+    copies: tuple[tuple[int, int], ...] = ()
+
+    def locations(self) -> tuple[tuple[int, int], ...]:
+        """Every (file, offset) holding these bytes, the first one first."""
+        return ((self.file, self.offset), *self.copies)
 
 
 @dataclass(frozen=True)
@@ -198,11 +209,13 @@ class Manifest:
     roots: int
     files: tuple[FileEntry, ...]
     objects: dict[str, ObjectEntry]
-    version: int = FORMAT_VERSION
+    version: int = SINGLE_NODE_VERSION  # 4 only with nodes (see FORMAT_VERSION)
     user: dict[str, Any] = field(default_factory=dict)
     sequence: int = 0  # commit order among the checkpoints of these roots (0: not recorded)
     sharded: tuple[ShardedEntry, ...] = ()  # version 3
     root_paths: tuple[str, ...] = ()  # version 3: each root's absolute path at save time
+    nodes: tuple[str, ...] = ()  # version 4: the ids of the nodes the job ran on at save time
+    node: int = 0  # version 4: the node whose roots this copy of the manifest was written to
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +234,8 @@ class Manifest:
             "created": self.created,
             "world_size": self.world_size,
             "roots": self.roots,
-            "files": [{"root": f.root, "name": f.name, "size": f.size} for f in self.files],
+            "files": [{"root": f.root, "name": f.name, "size": f.size, **({"node": f.node} if self.version >= 4 else {})}
+                      for f in self.files],
             "objects": {name: self._object_doc(o) for name, o in sorted(self.objects.items())},
             "user": self.user,
             "sequence": self.sequence,
@@ -234,6 +248,9 @@ class Manifest:
                 for t in self.sharded
             ]
             doc["root_paths"] = list(self.root_paths)
+        if self.version >= 4:
+            doc["nodes"] = list(self.nodes)
+            doc["node"] = self.node
         body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return seal(body) if self.version >= 2 else body
 
@@ -252,7 +269,11 @@ class Manifest:
 
 
 def _extent_doc(e: ExtentEntry) -> dict[str, Any]:
-    return {"file": e.file, "offset": e.offset, "start": e.start, "nbytes": e.nbytes, "checksum": f"{e.checksum:016x}"}
+    doc: dict[str, Any] = {"file": e.file, "offset": e.offset, "start": e.start, "nbytes": e.nbytes,
+                           "checksum": f"{e.checksum:016x}"}
+    if e.copies:
+        doc["copies"] = [list(c) for c in e.copies]
+    return doc
 
 
 class _Reader:
@@ -307,7 +328,17 @@ def parse(path: str, raw: bytes) -> Manifest:
     if rd.get(doc, "hash", str, "header") != HASH_NAME:
         raise rd.fail("header", f"unknown hash {doc['hash']!r}")
     roots = rd.count(doc, "roots", "header")
-    files = tuple(_parse_file(rd, i, f, roots) for i, f in enumerate(rd.get(doc, "files", list, "header")))
+    nodes: tuple[str, ...] = ()
+    node = 0
+    if version >= 4:
+        nodes = tuple(_parse_node_id(rd, i, n) for i, n in enumerate(rd.get(doc, "nodes", list, "header")))
+        if not 1 <= len(nodes) <= MAX_NODES or len(set(nodes)) != len(nodes):
+            raise rd.fail("header", f"'nodes' must list 1 to {MAX_NODES} distinct node ids, got {len(nodes)}")
+        node = rd.count(doc, "node", "header")
+        if node >= len(nodes):
+            raise rd.fail("header", f"node index {node} but the checkpoint has {len(nodes)} nodes")
+    files = tuple(_parse_file(rd, i, f, roots, len(nodes) if version >= 4 else 0)
+                  for i, f in enumerate(rd.get(doc, "files", list, "header")))
     seen: set[tuple[int, str]] = set()
     for f in files:
         if (f.root, f.name) in seen:
@@ -347,10 +378,22 @@ def parse(path: str, raw: bytes) -> Manifest:
         sequence=sequence,
         sharded=sharded,
         root_paths=root_paths,
+        nodes=nodes,
+        node=node,
     )
 
 
-def _parse_file(rd: _Reader, i: int, d: Any, roots: int) -> FileEntry:
+def _parse_node_id(rd: _Reader, i: int, n: Any) -> str:
+    if not isinstance(n, str) or not valid_node_id(n):
+        raise rd.fail("header", f"node id #{i} must be 1 to 200 printable characters, got {n!r}")
+    return n
+
+
+def valid_node_id(n: str) -> bool:
+    return 0 < len(n) <= 200 and n.isprintable()
+
+
+def _parse_file(rd: _Reader, i: int, d: Any, roots: int, nodes: int) -> FileEntry:
     where = f"file #{i}"
     name = rd.get(d, "name", str, where)
     if not valid_file_name(name):
@@ -358,7 +401,12 @@ def _parse_file(rd: _Reader, i: int, d: Any, roots: int) -> FileEntry:
     root = rd.count(d, "root", where)
     if root >= roots:
         raise rd.fail(f"file {name!r}", f"root index {root} but the checkpoint has {roots} roots")
-    return FileEntry(root, name, rd.count(d, "size", where))
+    node = 0
+    if nodes:
+        node = rd.count(d, "node", f"file {name!r}")
+        if node >= nodes:
+            raise rd.fail(f"file {name!r}", f"node index {node} but the checkpoint has {nodes} nodes")
+    return FileEntry(root, name, rd.count(d, "size", where), node)
 
 
 def _parse_extent(rd: _Reader, d: Any, where: str, files: tuple[FileEntry, ...]) -> ExtentEntry:
@@ -370,7 +418,35 @@ def _parse_extent(rd: _Reader, d: Any, where: str, files: tuple[FileEntry, ...])
     if e.offset + e.nbytes > files[f].size:
         raise rd.fail(where, f"bytes {e.offset}..{e.offset + e.nbytes} lie beyond the end of "
                              f"{files[f].name!r} ({files[f].size} bytes)")
+    if "copies" in d:
+        copies = _parse_copies(rd, d["copies"], where, files, e)
+        e = ExtentEntry(e.file, e.offset, e.start, e.nbytes, e.checksum, copies)
     return e
+
+
+def _parse_copies(rd: _Reader, raw: Any, where: str, files: tuple[FileEntry, ...],
+                  e: ExtentEntry) -> tuple[tuple[int, int], ...]:
+    """An extent's other copies: (file, offset) pairs inside their files, each on a node of its
+    own (a second copy on the same node would not survive that node)."""
+    if not isinstance(raw, list) or len(raw) > MAX_NODES:
+        raise rd.fail(where, "field 'copies' must be a list of [file, offset] pairs")
+    nodes = {files[e.file].node}
+    out = []
+    for c in raw:
+        if (not isinstance(c, list) or len(c) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in c)):
+            raise rd.fail(where, f"a copy must be a [file, offset] pair of non-negative integers, got {c!r}")
+        f, off = c
+        if f >= len(files):
+            raise rd.fail(where, f"a copy's file index {f} but only {len(files)} files are listed")
+        if off + e.nbytes > files[f].size:
+            raise rd.fail(where, f"the copy at bytes {off}..{off + e.nbytes} lies beyond the end of "
+                                 f"{files[f].name!r} ({files[f].size} bytes)")
+        if files[f].node in nodes:
+            raise rd.fail(where, f"two copies on node #{files[f].node}")
+        nodes.add(files[f].node)
+        out.append((f, off))
+    return tuple(out)
 
 
 def _parse_object(rd: _Reader, name: str, d: Any, files: tuple[FileEntry, ...], version: int) -> ObjectEntry:
@@ -560,15 +636,20 @@ def _check_file_overlaps(rd: _Reader, files: tuple[FileEntry, ...], objects: dic
                          sharded: tuple[ShardedEntry, ...] = ()) -> None:
     """No two extents (or skeletons) may claim the same bytes of a file."""
     by_file: dict[int, list[tuple[int, int, str]]] = {}
+
+    def add(e: ExtentEntry, what: str) -> None:
+        for f, off in e.locations():
+            by_file.setdefault(f, []).append((off, e.nbytes, what))
+
     for t in sharded:
         for c in t.chunks:
             for e in c.extents:
-                by_file.setdefault(e.file, []).append((e.offset, e.nbytes, f"sharded tensor {t.key!r}"))
+                add(e, f"sharded tensor {t.key!r}")
     for name, o in objects.items():
-        by_file.setdefault(o.skeleton.file, []).append((o.skeleton.offset, o.skeleton.nbytes, f"object {name!r} skeleton"))
+        add(o.skeleton, f"object {name!r} skeleton")
         for s in o.storages:
             for e in s.extents:
-                by_file.setdefault(e.file, []).append((e.offset, e.nbytes, f"object {name!r} storage {s.key!r}"))
+                add(e, f"object {name!r} storage {s.key!r}")
     for f, spans in by_file.items():
         spans.sort()
         for (a_off, a_n, a_what), (b_off, _, b_what) in zip(spans, spans[1:]):

@@ -207,12 +207,10 @@ def write_chunks(name: str, tensors: Sequence[torch.Tensor], pieces: Sequence[tu
     extent's ``storage`` is the tensor index and ``start`` counts from the tensor's first byte."""
     storages = [t.untyped_storage() for t in tensors]
     bases = [int(t.storage_offset()) * t.element_size() for t in tensors]
-    subs = [(i, s, min(CHUNK_EXTENT_MAX, start + n - s))
-            for i, start, n in pieces for s in range(start, start + n, CHUNK_EXTENT_MAX)]
+    cut = chunk_extents(pieces, len(files))
     jobs = []
     for slot, (root, path) in enumerate(files):
-        mine = [Extent(subs[e.storage][0], bases[subs[e.storage][0]] + subs[e.storage][1] + e.start, e.nbytes, slot)
-                for e in plan([n for _, _, n in subs], len(files)) if e.slot == slot]
+        mine = [dataclasses.replace(e, start=bases[e.storage] + e.start) for e in cut if e.slot == slot]
         if mine:
             jobs.append((mine, root, path))
     if not jobs:
@@ -221,6 +219,16 @@ def write_chunks(name: str, tensors: Sequence[torch.Tensor], pieces: Sequence[tu
     return [dataclasses.replace(r, extents=tuple(dataclasses.replace(p, start=p.start - bases[p.storage])
                                                  for p in r.extents))
             for r in write_slots(prepared, jobs, backend, config)]
+
+
+def chunk_extents(pieces: Sequence[tuple[int, int, int]], files: int) -> list[Extent]:
+    """How :func:`write_chunks` cuts ``pieces`` (tensor index, start, nbytes) into extents over
+    ``files`` files: at most :data:`CHUNK_EXTENT_MAX` bytes each, balanced; an extent's
+    ``storage`` is the tensor index and ``start`` the byte from the tensor's first."""
+    subs = [(i, s, min(CHUNK_EXTENT_MAX, start + n - s))
+            for i, start, n in pieces for s in range(start, start + n, CHUNK_EXTENT_MAX)]
+    return [Extent(subs[e.storage][0], subs[e.storage][1] + e.start, e.nbytes, e.slot)
+            for e in plan([n for _, _, n in subs], files)]
 
 
 def write_skeleton(prepared: Prepared, root: int, path: str, backend: FileBackend) -> FileReport:
@@ -232,28 +240,52 @@ def write_skeleton(prepared: Prepared, root: int, path: str, backend: FileBacken
                       prepared.skeleton_checksum)
 
 
-def build_object(prepared_keys: Sequence[str], sizes: Sequence[int], skeleton_file: int,
+def build_object(prepared_keys: Sequence[str], sizes: Sequence[int], skeleton_files: Sequence[int],
                  skeleton_report: FileReport, data: Sequence[tuple[int, FileReport]],
-                 tensors: Sequence[mf.TensorEntry] = ()) -> mf.ObjectEntry:
+                 tensors: Sequence[mf.TensorEntry] = (), files: Sequence[mf.FileEntry] = ()) -> mf.ObjectEntry:
     """The manifest entry of one object from the reports of the files that hold it.
 
-    ``data`` pairs each data file's index in the manifest's file list with its report.
+    ``data`` pairs each data file's index in the manifest's file list with its report;
+    ``skeleton_files`` are the indices of the skeleton's copies (one per node). Extents written
+    more than once (copies on several nodes, see :mod:`fastpersist.nodes`) become one extent
+    with its ``copies``.
     """
     per_storage: list[list[mf.ExtentEntry]] = [[] for _ in sizes]
     for index, report in data:
         for p in report.extents:
             per_storage[p.storage].append(mf.ExtentEntry(index, p.offset, p.start, p.nbytes, p.checksum))
     storages = tuple(
-        mf.StorageEntry(key, size, tuple(sorted(per_storage[i], key=lambda e: e.start)))
+        mf.StorageEntry(key, size, merge_copies(per_storage[i], files))
         for i, (key, size) in enumerate(zip(prepared_keys, sizes))
     )
     if skeleton_report.skeleton_checksum is None:
         raise CheckpointWriteError(f"{skeleton_report.name} is not a skeleton file")
-    sk = mf.ExtentEntry(skeleton_file, 0, 0, skeleton_report.size, skeleton_report.skeleton_checksum)
+    sk = mf.ExtentEntry(skeleton_files[0], 0, 0, skeleton_report.size, skeleton_report.skeleton_checksum,
+                        tuple((f, 0) for f in skeleton_files[1:]))
     return mf.ObjectEntry(sk, storages, tuple(tensors))
 
 
-def build_sharded(layout: Layout, data: Sequence[tuple[int, FileReport]]) -> tuple[mf.ShardedEntry, ...]:
+def merge_copies(extents: Sequence[mf.ExtentEntry], files: Sequence[mf.FileEntry] = ()) -> tuple[mf.ExtentEntry, ...]:
+    """Extents by start; those with the same start and length (copies of the same bytes, on
+    distinct nodes) become one, the copy on the lowest node first."""
+    def node(e: mf.ExtentEntry) -> int:
+        return files[e.file].node if files else 0
+
+    out: list[mf.ExtentEntry] = []
+    for e in sorted(extents, key=lambda e: (e.start, node(e), e.file)):
+        last = out[-1] if out else None
+        if last is not None and last.start == e.start and last.nbytes == e.nbytes:
+            if last.checksum != e.checksum:
+                raise CheckpointWriteError(f"two copies of the same bytes differ: {e.nbytes} bytes from byte {e.start} "
+                                           f"have checksums {last.checksum:016x} and {e.checksum:016x}")
+            out[-1] = dataclasses.replace(last, copies=(*last.copies, (e.file, e.offset)))
+        else:
+            out.append(e)
+    return tuple(out)
+
+
+def build_sharded(layout: Layout, data: Sequence[tuple[int, FileReport]],
+                  files: Sequence[mf.FileEntry] = ()) -> tuple[mf.ShardedEntry, ...]:
     """The manifest's sharded tensors from the layout and the reports of the files holding
     their chunks (an extent's ``storage`` is its chunk's index)."""
     chunks = layout.chunks
@@ -263,5 +295,5 @@ def build_sharded(layout: Layout, data: Sequence[tuple[int, FileReport]]) -> tup
             per_chunk[p.storage].append(mf.ExtentEntry(index, p.offset, p.start, p.nbytes, p.checksum))
     by_path: dict[tuple[str | int, ...], list[mf.ChunkEntry]] = {p: [] for p, _, _ in layout.tensors}
     for m, extents in zip(chunks, per_chunk):
-        by_path[m.path].append(mf.ChunkEntry(m.offsets, m.sizes, tuple(sorted(extents, key=lambda e: e.start))))
+        by_path[m.path].append(mf.ChunkEntry(m.offsets, m.sizes, merge_copies(extents, files)))
     return tuple(mf.ShardedEntry(p, dtype, shape, tuple(by_path[p])) for p, dtype, shape in layout.tensors)

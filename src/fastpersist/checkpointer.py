@@ -40,7 +40,7 @@ from fastpersist.dist import Comm, default_comm, host_name, writer_ranks
 from fastpersist.driver import SaveDriver
 from fastpersist.durable.drain import Drainer
 from fastpersist.durable.store import DirStore, Store, open_store
-from fastpersist.durable.view import durable_view, latest_of_tiers, read_tiered
+from fastpersist.durable.view import durable_view
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
 from fastpersist.io.backend import FileBackend
@@ -52,11 +52,8 @@ from fastpersist.roots import check_roots
 from fastpersist.stage import OverlapGuard, Stager
 from fastpersist.state import to_saveable
 from fastpersist.timeline import Retention
-from fastpersist.peers import PeerRestore
-from fastpersist.format.manifest import rank_object
-from fastpersist.errors import CheckpointNotFoundError
-from fastpersist.view import (CheckpointInfo, CheckpointView, Roots, check_keys, list_checkpoints, load_checkpoint,
-                              load_from, load_object, root_list)
+from fastpersist.reading import Reads
+from fastpersist.view import CheckpointInfo, CheckpointView, Roots, list_checkpoints, load_checkpoint, root_list
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +101,11 @@ class Checkpointer:
             from the environment) that committed checkpoints are drained to in the background
             (:mod:`fastpersist.durable`); :meth:`load` falls back to it for steps the local
             roots lack; :meth:`close` finishes the drains in flight.
-        node: this process's node id (default: ``$FASTPERSIST_NODE``, else the host name).
-            Ranks with the same id share the node's roots (its local disks); on several nodes
-            each rank opens only its own node's roots, which may be other paths on each node.
-        redundancy: how many nodes hold every byte of the replicated state (default 2 when
-            the job spans several nodes, 1 on one node); more than the nodes is refused. On
-            several nodes :meth:`load` is collective and restores from whichever nodes hold
-            the bytes (:mod:`fastpersist.peers`).
+        node, redundancy: this process's node id (default ``$FASTPERSIST_NODE``, else the
+            host name: a node's ranks share its local roots, a rank opens only its own node's),
+            and on how many nodes every byte lies (default 2 on several nodes, 1 on one; more
+            than the nodes is refused). On several nodes loads are collective (restored from
+            whichever nodes hold the bytes, :mod:`fastpersist.peers`).
         durable_every: drain the first checkpoint, then the first one at least this many
             steps after the last drained (default 1). ``durable_keep``: the durable tier's
             retention (None: keep all; its latest is never deleted). ``durable_bandwidth``:
@@ -163,17 +158,16 @@ class Checkpointer:
         # Checkpointer is collected, or at exit: never left to the interpreter's teardown.
         close_comm = getattr(self.comm, "close", None) if comm is None else None
         self._close_comm = weakref.finalize(self, close_comm) if close_comm is not None else None
-        self.roots, _, self.nodes, store = _roots_everywhere(self.comm, paths, durable, node)
-        self.redundancy = check_redundancy(redundancy, self.nodes)
+        self.roots, hosts, self.nodes, store = _roots_everywhere(self.comm, paths, durable, node, redundancy)
+        # writers per node: per host on one node (roots on a shared filesystem), per node otherwise
+        self.writer_ranks = writer_ranks(writers, hosts if self.nodes.count == 1 else
+                                         [self.nodes.ids[n] for n in self.nodes.of_rank])
+        self.redundancy = check_redundancy(redundancy, self.nodes, self.writer_ranks)
         self.mode = mode
         self.backend = backend or FileBackend()
         self._config = config
         self._view = CheckpointView(self.roots, config=config, backend=self.backend)
         self.history = History(history)  # metrics of recent saves, and totals
-        self.writer_ranks = writer_ranks(writers, [self.nodes.ids[n] for n in self.nodes.of_rank])
-        if len({self.nodes.of_rank[r] for r in self.writer_ranks}) < self.redundancy:
-            raise ValueError(f"redundancy={self.redundancy} needs writers on {self.redundancy} nodes; writers="
-                             f"{writers!r} are on {len({self.nodes.of_rank[r] for r in self.writer_ranks})}")
         self.check_replicated = bool(check_replicated)
         self._closed = False
         self._driver = SaveDriver(self._run, self._finished, self.comm, max_in_flight, when_busy)
@@ -181,19 +175,17 @@ class Checkpointer:
         self._guard = OverlapGuard(self._driver.in_flight, self._driver.raise_failed)
         self._drainer = _drainer(store, self.roots, self.comm.rank, durable_every, durable_keep, abandoned,
                                  durable_bandwidth, timeout_s, self.config.drain_nice)
-        self._durable_view = durable_view(store, config, self.roots[0]) if store is not None else None
         self._coordinator = Coordinator(self.roots, self.backend, retention, self.comm.world_size, clean_start,
                                         self._drainer.known_commits if self._drainer is not None else None,
                                         self.nodes, self.comm.rank)
-        leads = self.nodes.count > 1 and self.nodes.is_leader(self.rank)
         self._protocol = SaveProtocol(
             self.comm, RankWriter(self.comm.rank, self.roots, self.backend, lambda: self.config,
-                                  self.check_replicated and self.comm.world_size > 1,
-                                  self.nodes.of_rank[self.rank] if leads else None, self.nodes, self.redundancy,
+                                  self.check_replicated and self.comm.world_size > 1, self.nodes, self.redundancy,
                                   getattr(self.comm, "exchange", None)),
             self._coordinator, self.writer_ranks, len(self.roots), self.check_replicated,
             lambda: {j.step for j in self._driver.in_flight()}, self._drainer, self.nodes, self.redundancy)
-        self._peers = PeerRestore(self.comm, self.nodes, self.roots, self.backend) if self.nodes.count > 1 else None
+        self._reads = Reads(self._view, durable_view(store, config, self.roots[0]) if store is not None else None,
+                            self.comm, self.nodes, lambda: self.config)
         _at_exit(_finish_at_exit, weakref.ref(self))
 
     @property
@@ -274,7 +266,7 @@ class Checkpointer:
             self.history.append(completion.handle.metrics)
             self._driver.raise_failed()
             return completion.handle
-        job = self._job(step, state, rank_state, meta, completion, t0)
+        job = _new_job(step, state, rank_state, meta, completion, t0)
         live = self._guard.storages() if self.mode == "overlap" else set()
         job.inline = self.mode == "sync" or not self._stager.stage(job, live)
         if not job.inline and not job.live:
@@ -296,18 +288,6 @@ class Checkpointer:
                 self._log(handle.metrics)
         self._driver.raise_failed()
         return handle
-
-    def _job(self, step: int, state: Any, rank_state: Any, meta: Mapping[str, Any] | None, completion: Completion,
-             t0: float) -> SaveJob:
-        saveable = to_saveable(state)
-        own = to_saveable(rank_state) if rank_state is not None else None
-        shards: list[dtensor.LocalShard] = []
-        if dtensor.dtensor_type() is not None:  # no DTensor exists before its module is loaded
-            saveable, shards = dtensor.split(saveable)  # the state itself where it holds none
-        if own is not None and dtensor.holds_dtensors(own):
-            raise ValueError("rank_state holds DTensors: pass sharded state (DTensors) in `state`; fastpersist "
-                             "writes each rank's shards and reshards them at load")
-        return SaveJob(step, saveable, own, meta, completion, t0, shards)
 
     def _run(self, job: SaveJob) -> None:
         """The save protocol for one job (in the driver's worker)."""
@@ -349,7 +329,8 @@ class Checkpointer:
         self.close()
 
     # -----------------------------------------------------------------------------------------
-    # load: through a read-only view (no directory created, no lock, no collective)
+    # load: through the roots, then the durable tier (:mod:`fastpersist.reading`); on several
+    # nodes every load is collective (the restore protocol, :mod:`fastpersist.peers`)
 
     def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
              keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
@@ -358,48 +339,23 @@ class Checkpointer:
         :meth:`CheckpointView.load`. A step the local roots lack (new machines, lost disks) is
         read from the durable tier, if there is one; ``"latest"`` is the most recent commit
         of either. On several nodes this is collective: every rank calls it, and the bytes a
-        node lacks come from the nodes that hold them (:mod:`fastpersist.peers`)."""
-        check_keys(keys, into)
-        return self._read(step, lambda v, s: v.load(
-            s, into, keys=keys, map_location=map_location, weights_only=weights_only, verify=verify),
-            lambda dirs, m: load_from(dirs, m, into, keys, map_location, weights_only, verify, self.config,
-                                      self.backend))
-
-    def _read(self, step: int | str, read: Callable[[CheckpointView, int | str], Any],
-              restore: Callable[[builtins.list[str], Any], Any]) -> Any:
-        """``read`` through the tiers; on several nodes, ``restore`` through the nodes' restore
-        protocol first (the durable tier if no node holds the step complete)."""
-        if self._peers is None:
-            return read_tiered(self._view, self._durable_view, step, read)
-        try:
-            return self._peers.load(step, restore)
-        except CheckpointNotFoundError:
-            if self._durable_view is None:
-                raise
-            logger.info("no node of this job holds checkpoint %s complete: loading it from the durable tier", step)
-            return read(self._durable_view, step)
+        node lacks come from the nodes that hold them."""
+        return self._reads.load(step, into, keys, map_location, weights_only, verify)
 
     def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
                         rank: int | None = None, map_location: Any = None, weights_only: bool = True,
                         verify: bool | None = None) -> Any:
-        """Load the ``rank_state`` that ``rank`` (default: this rank) saved."""
-        who = self.rank if rank is None else rank
-        return self._read(step, lambda v, s: v.load_rank_state(
-            s, into, rank=who, map_location=map_location, weights_only=weights_only, verify=verify),
-            lambda dirs, m: load_object(dirs, m, rank_object(who), into, map_location, weights_only, verify,
-                                        self.config, self.backend))
+        """Load the ``rank_state`` that ``rank`` (default: this rank) saved (collective on
+        several nodes)."""
+        return self._reads.load_rank_state(step, into, rank, map_location, weights_only, verify)
 
     def metadata(self, step: int | str = "latest") -> dict[str, Any]:
-        """The ``metadata`` saved with ``step`` (on several nodes: collective)."""
-        if self._peers is not None:
-            chosen, _ = self._peers.resolve(step)
-            if chosen is not None:
-                return dict(chosen.manifest.user)
-        return read_tiered(self._view, self._durable_view, step, lambda v, s: v.metadata(s))
+        """The ``metadata`` saved with ``step`` (collective on several nodes)."""
+        return self._reads.metadata(step)
 
     def list(self) -> builtins.list[CheckpointInfo]:
-        """Every checkpoint in the first root, committed or not, by step (after the deletions
-        retention has started)."""
+        """Every checkpoint in the first root (on several nodes: this node's), committed or
+        not, by step (after the deletions retention has started)."""
         self._coordinator.janitor.drain()
         return self._view.list()
 
@@ -407,16 +363,26 @@ class Checkpointer:
         """The most recently committed step (not necessarily the largest) of the local roots
         or the durable tier, or None. On several nodes (collective): the most recent commit
         complete on the job's nodes, else the durable tier's."""
-        if self._peers is not None:
-            chosen, _ = self._peers.resolve("latest")
-            if chosen is not None:
-                return chosen.manifest.step
-            return self._durable_view.latest_step() if self._durable_view is not None else None
-        return latest_of_tiers(self._view, self._durable_view)[0]
+        return self._reads.latest_step()
+
+
+def _new_job(step: int, state: Any, rank_state: Any, meta: Mapping[str, Any] | None, completion: Completion,
+             t0: float) -> SaveJob:
+    """A save's job: the state made saveable, its DTensors taken out (their shards)."""
+    saveable = to_saveable(state)
+    own = to_saveable(rank_state) if rank_state is not None else None
+    shards: list[dtensor.LocalShard] = []
+    if dtensor.dtensor_type() is not None:  # no DTensor exists before its module is loaded
+        saveable, shards = dtensor.split(saveable)  # the state itself where it holds none
+    if own is not None and dtensor.holds_dtensors(own):
+        raise ValueError("rank_state holds DTensors: pass sharded state (DTensors) in `state`; fastpersist "
+                         "writes each rank's shards and reshards them at load")
+    return SaveJob(step, saveable, own, meta, completion, t0, shards)
 
 
 def _roots_everywhere(comm: Comm, paths: list[str], durable: str | os.PathLike[str] | Store | None,
-                      node: str | None = None) -> tuple[list[str], list[str], Nodes, Store | None]:
+                      node: str | None = None, redundancy: int | None = None
+                      ) -> tuple[list[str], list[str], Nodes, Store | None]:
     """Check the roots, the node id and the durable location on every rank; if any rank finds
     them unusable, or the ranks were given different durable locations, or ranks of one node
     different roots, every rank raises (nobody is left waiting in a collective the others
@@ -433,10 +399,10 @@ def _roots_everywhere(comm: Comm, paths: list[str], durable: str | os.PathLike[s
             raise ValueError(f"durable: {store.url} is one of the local roots; the durable tier must be elsewhere")
     except (ValueError, TypeError, ImportError, CheckpointWriteError) as e:
         error = e
-    outcomes = comm.all_gather((host, error is None, store.url if store is not None else None, me, roots))
+    outcomes = comm.all_gather((host, error is None, store.url if store is not None else None, me, roots, redundancy))
     if error is not None:
         raise error
-    bad = [r for r, (_, ok, _, _, _) in enumerate(outcomes) if not ok]
+    bad = [r for r, o in enumerate(outcomes) if not o[1]]
     if bad:
         raise CheckpointWriteError(f"the checkpoint roots {paths}, the node id or the durable location cannot be used "
                                    f"on rank(s) {bad}; see the error raised there")
@@ -444,13 +410,19 @@ def _roots_everywhere(comm: Comm, paths: list[str], durable: str | os.PathLike[s
     if len(urls) > 1 or (urls and any(o[2] is None for o in outcomes)):
         raise ValueError(f"durable: the ranks were given different durable locations ({urls}, or none on some); "
                          "every rank must pass the same one")
+    if len({o[5] for o in outcomes}) > 1:
+        raise ValueError(f"redundancy: the ranks were given different values ({[o[5] for o in outcomes]} by rank); "
+                         "every rank must pass the same one")
     nodes = Nodes.from_ids([o[3] for o in outcomes])
     for r, o in enumerate(outcomes):
-        first = outcomes[nodes.leader(nodes.of_rank[r])]
-        if len(o[4]) != len(roots) or (o[3] == first[3] and o[4] != first[4]):
-            raise ValueError(f"roots: rank {r} (node {o[3]!r}) was given roots {o[4]}, rank {comm.rank} {roots}"
-                             f"{f', rank {nodes.leader(nodes.of_rank[r])} of the same node {first[4]}' if o[4] != first[4] else ''}"
-                             ": every rank gives as many roots, and the ranks of one node the same ones")
+        lead = nodes.leader(nodes.of_rank[r])
+        if len(o[4]) != len(roots) or o[4] != outcomes[lead][4]:
+            raise ValueError(f"roots: rank {r} (node {o[3]!r}) was given roots {o[4]}, rank {lead} of the same node "
+                             f"{outcomes[lead][4]}, rank {comm.rank} {roots}: every rank gives as many roots, and the "
+                             "ranks of one node the same ones")
+    if nodes.count > 1 and not all(callable(getattr(comm, m, None)) for m in ("broadcast", "exchange")):
+        raise TypeError(f"comm: a job on several nodes ({', '.join(nodes.ids)}) needs a comm with broadcast() and "
+                        f"exchange() (as fastpersist.dist.GlooComm has), got a {type(comm).__name__}")
     return roots, [o[0] for o in outcomes], nodes, store
 
 

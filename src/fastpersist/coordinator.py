@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastpersist import catalog, dtensor, timeline
-from fastpersist.errors import CheckpointError
+from fastpersist.errors import CheckpointError, CheckpointWriteError
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
 from fastpersist.lock import RootLock
@@ -82,20 +82,22 @@ class Coordinator:
                 catalog.clean_incomplete(self.roots, self.backend)
             self._read_commits()
 
-    def local_commits(self) -> dict[int, timeline.Commit]:
-        """What this node's roots hold committed (after :meth:`start`): the first save's inventory."""
+    def local_commits(self) -> dict[int, timeline.Commit] | None:
+        """What this node's roots hold committed (after :meth:`start`): the first save's
+        inventory; None when the roots could not be listed."""
         with self._lock:
-            return dict(self._commits or {})
+            return dict(self._commits) if self._commits is not None else None
 
-    def adopt(self, everywhere: Mapping[int, timeline.Commit], leader_of_zero: bool) -> None:
+    def adopt(self, everywhere: Mapping[int, timeline.Commit], leader_of_zero: bool, known: bool = True) -> None:
         """At the first save on several nodes, once every leader's commits are known: clean this
         node's roots of what no node committed (a step committed on another node keeps its files
-        here: they may be its copies), and on rank 0 take the union as the job's commits."""
-        if self.clean_start:
+        here: they may be its copies), and on rank 0 take the union as the job's commits. When
+        some node's commits are not ``known`` (its roots could not be listed), nothing is cleaned."""
+        if self.clean_start and known:
             catalog.clean_incomplete(self.roots, self.backend, keep=set(everywhere))
-        if leader_of_zero:
-            with self._lock:
-                self._commits = dict(everywhere)
+        with self._lock:  # a step committed elsewhere whose copies lie here is this node's to prune too
+            if self._commits is not None:
+                self._commits = dict(everywhere) if leader_of_zero else {**everywhere, **self._commits}
 
     def _read_commits(self) -> None:
         """What is committed in the roots (for the timeline and retention). A root that cannot
@@ -149,8 +151,8 @@ class Coordinator:
                   metadata: Mapping[str, Any] | None, layout: dtensor.Layout, created: float | None = None
                   ) -> mf.Manifest:
         reports = [r for w in written for r in w.reports]
-        node_of = [self.nodes.of_rank[rank] if self.nodes is not None else 0
-                   for rank, w in enumerate(written) for _ in w.reports]
+        rank_of = [rank for rank, w in enumerate(written) for _ in w.reports]
+        node_of = [self.nodes.of_rank[rank] if self.nodes is not None else 0 for rank in rank_of]
         files = tuple(mf.FileEntry(r.root, r.name, r.size, n) for r, n in zip(reports, node_of))
         index = {(r.root, r.name): i for i, r in enumerate(reports)}
         objects: dict[str, mf.ObjectEntry] = {}
@@ -158,8 +160,16 @@ class Coordinator:
             for obj, (keys, sizes, tensors) in w.objects.items():
                 if obj in objects:  # the replicated state is reported by every node's leader
                     continue
-                skeletons = [index[(r.root, r.name)] for r in reports if r.object == obj and r.skeleton_checksum is not None]
+                owner = int(obj[len("rank-"):]) if obj != mf.REPLICATED else -1
+                skeletons = sorted((i for i, r in enumerate(reports) if r.object == obj and r.skeleton_checksum is not None),
+                                   key=lambda i: (rank_of[i] != owner, i))  # the owner's own copy first
                 skel = reports[skeletons[0]]
+                differ = [reports[i].name for i in skeletons
+                          if (reports[i].skeleton_checksum, reports[i].size) != (skel.skeleton_checksum, skel.size)]
+                if differ:
+                    raise CheckpointWriteError(f"checkpoint step {step}: the copies of object {obj!r}'s skeleton "
+                                               f"differ: {skel.name} and {differ[0]} (a copy damaged on its way to "
+                                               "another node)")
                 data = [(index[(r.root, r.name)], r) for r in reports if r.object == obj and r.skeleton_checksum is None]
                 objects[obj] = build_object(keys, sizes, skeletons, skel, data, tensors, files)
         chunks = [(index[(r.root, r.name)], r) for r in reports if r.object == mf.SHARDED]
@@ -190,6 +200,13 @@ class Coordinator:
         manifest = self._manifest(step, save_id, decision.sequence, written, decision.metadata, layout,
                                   decision.created)
         self._write(step, manifest)
+
+    def record(self, step: int, decision: Decision) -> None:
+        """Rank 0, on several nodes: a commit that another node wrote although this node's write
+        failed still takes its sequence (the next commit is numbered after it)."""
+        with self._lock:
+            if self._commits is not None:
+                self._commits.setdefault(step, timeline.Commit(step, decision.sequence, decision.created))
 
     def prune(self, decision: Decision, protected: set[int]) -> None:
         """A node leader other than rank 0's, after a commit: delete this node's copies of the

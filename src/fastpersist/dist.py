@@ -15,12 +15,13 @@ is left waiting in a collective that the others skipped.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import logging
 import pickle
 import socket
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from fastpersist.errors import CheckpointError, CheckpointWriteError, DistributedCheckpointError
@@ -86,13 +87,20 @@ class GlooComm:
         self._kept_p2p: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=2)  # large: kept briefly
 
     def all_gather(self, obj: Any, channel: str = "work") -> list[Any]:
+        with self._collective(channel) as group:
+            return self._all_gather(obj, group, self._kept[channel])
+
+    @contextlib.contextmanager
+    def _collective(self, channel: str) -> Iterator[Any]:
+        """The channel's group; gloo's report of a dead or silent peer (a RuntimeError) becomes
+        a CheckpointError naming this rank and the timeout."""
         group = self._groups.get(channel)
         if group is None:
             raise CheckpointError(f"checkpoint coordination on rank {self.rank} after its process groups were "
                                   "closed (the Checkpointer is closed)")
         try:
-            return self._all_gather(obj, group, self._kept[channel])
-        except RuntimeError as e:  # gloo reports a dead or silent peer as a RuntimeError
+            yield group
+        except RuntimeError as e:
             raise CheckpointError(
                 f"checkpoint coordination failed on rank {self.rank}: another rank died or did not answer "
                 f"within {self.timeout_s:.0f} s (gloo: {str(e).splitlines()[0][:300]})"
@@ -119,38 +127,20 @@ class GlooComm:
     def broadcast(self, tensor: Any, src: int, channel: str = "control") -> None:
         """Broadcast a CPU tensor from rank ``src`` to every rank, in place (the restore
         protocol's bytes, :mod:`fastpersist.peers`)."""
-        group = self._groups.get(channel)
-        if group is None:
-            raise CheckpointError(f"checkpoint coordination on rank {self.rank} after its process groups were "
-                                  "closed (the Checkpointer is closed)")
-        self._kept[channel].append((tensor,))
-        try:
+        with self._collective(channel) as group:
+            self._kept_p2p.append((tensor,))
             self._dist.broadcast(tensor, src=src, group=group)
-        except RuntimeError as e:
-            raise CheckpointError(
-                f"checkpoint coordination failed on rank {self.rank}: another rank died or did not answer "
-                f"within {self.timeout_s:.0f} s (gloo: {str(e).splitlines()[0][:300]})"
-            ) from e
 
     def exchange(self, sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]], channel: str = "work") -> None:
         """Send each (rank, tensor) of ``sends`` and receive each (rank, tensor) of ``recvs`` at
         once, and wait for all (copies of unique bytes, :mod:`fastpersist.partners`)."""
-        group = self._groups.get(channel)
-        if group is None:
-            raise CheckpointError(f"checkpoint coordination on rank {self.rank} after its process groups were "
-                                  "closed (the Checkpointer is closed)")
-        self._kept_p2p.append((*(t for _, t in sends), *(t for _, t in recvs)))
-        try:
+        with self._collective(channel) as group:
+            self._kept_p2p.append((*(t for _, t in sends), *(t for _, t in recvs)))
             reqs = [self._dist.isend(t, dst, group=group) for dst, t in sends]
             reqs += [self._dist.irecv(t, src, group=group) for src, t in recvs]
             for r in reqs:
                 if r is not None:
                     r.wait()
-        except RuntimeError as e:
-            raise CheckpointError(
-                f"checkpoint coordination failed on rank {self.rank}: another rank died or did not answer "
-                f"within {self.timeout_s:.0f} s (gloo: {str(e).splitlines()[0][:300]})"
-            ) from e
 
     def close(self) -> None:
         """Destroy this comm's groups, joining their threads, then drop the tensors gloo had

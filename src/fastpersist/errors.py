@@ -64,6 +64,11 @@ class CheckpointNotFoundError(CheckpointReadError, FileNotFoundError):
     """The checkpoint file or directory does not exist."""
 
 
+class IncompleteCheckpointError(CheckpointReadError):
+    """A checkpoint of a job on several nodes has bytes that no node of the job holds (a node
+    lost with more copies than the redundancy covered); the message names them."""
+
+
 class CorruptCheckpointError(CheckpointReadError):
     """The checkpoint is truncated, damaged, or not a checkpoint at all."""
 

@@ -67,11 +67,20 @@ def default_redundancy(nodes: int) -> int:
     return 2 if nodes > 1 else 1
 
 
-def check_redundancy(redundancy: int | None, nodes: Nodes) -> int:
+def check_redundancy(redundancy: int | None, nodes: Nodes, writers: Sequence[int] | None = None) -> int:
     """The number of copies to write: ``redundancy`` (default 2 on several nodes, 1 on one),
-    refused when the nodes cannot hold that many distinct copies."""
-    if redundancy is None:
-        return default_redundancy(nodes.count)
+    refused when the nodes (those of the replicated state's ``writers``, if given) cannot hold
+    that many distinct copies."""
+    chosen = default_redundancy(nodes.count) if redundancy is None else _valid(redundancy, nodes)
+    if writers is not None:
+        on = len({nodes.of_rank[r] for r in writers})
+        if on < chosen:
+            raise ValueError(f"redundancy={chosen} needs writers on {chosen} nodes; the writers {sorted(writers)} are "
+                             f"on {on}")
+    return chosen
+
+
+def _valid(redundancy: int, nodes: Nodes) -> int:
     if isinstance(redundancy, bool) or not isinstance(redundancy, int):
         raise TypeError(f"redundancy must be an integer, got {type(redundancy).__name__}")
     if redundancy < 1:

@@ -164,10 +164,12 @@ class Receiver:
         if kind not in self.files:
             path = os.path.join(self.dirs[self.root], self.names[kind])
             try:
+                self.backend.makedirs(self.dirs[self.root])
                 file = self.backend.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "off", self.root)
                 os.ftruncate(file.fd, self.sizes[kind])
             except OSError as e:
-                raise CheckpointWriteError(f"cannot create {path}: {e.strerror or e}") from e
+                raise CheckpointWriteError(f"cannot create {path} (rank {self.sender}'s copy): "
+                                           f"{e.strerror or e}") from e
             self.files[kind] = file
         return self.files[kind]
 
@@ -183,10 +185,14 @@ class Receiver:
                 continue
             file = self._file(e.kind)
             done = 0
-            while done < n:
-                if file.on_write is not None:  # the backend's hook (faults, throttling)
-                    file.on_write(self.offsets[i] + off + done, n - done)
-                done += os.pwrite(file.fd, chunk[done:], self.offsets[i] + off + done)
+            try:
+                while done < n:
+                    if file.on_write is not None:  # the backend's hook (faults, throttling)
+                        file.on_write(self.offsets[i] + off + done, n - done)
+                    done += os.pwrite(file.fd, chunk[done:], self.offsets[i] + off + done)
+            except OSError as e:
+                raise CheckpointWriteError(f"writing {file.path} (rank {self.sender}'s copy) failed: "
+                                           f"{e.strerror or e}") from e
 
     def finish(self) -> list[FileReport]:
         """fsync the copies and report them (a skeleton in a file of its own, as the owner's)."""
@@ -194,6 +200,9 @@ class Receiver:
         for kind, file in self.files.items():
             try:
                 self.backend.fsync(file)
+            except OSError as e:
+                raise CheckpointWriteError(f"fsync of {file.path} (rank {self.sender}'s copy) failed: "
+                                           f"{e.strerror or e}") from e
             finally:
                 file.close()
             placed = tuple(PlacedExtent(e.index, e.start, e.nbytes, self.offsets[i], self.hashes[i].intdigest())
@@ -203,6 +212,7 @@ class Receiver:
         if any(e.kind == "skeleton" for e in self.extents):
             path = os.path.join(self.dirs[0], self.names["skeleton"])
             try:
+                self.backend.makedirs(self.dirs[0])
                 self.backend.write_small(path, bytes(self.skeleton), 0)
             except OSError as e:
                 raise CheckpointWriteError(f"cannot write {path}: {e.strerror or e}") from e
@@ -220,18 +230,42 @@ def exchange(send: Callable[[list[tuple[int, torch.Tensor]], list[tuple[int, tor
              sender: Sender | None, to: Sequence[int], receivers: Sequence[Receiver]) -> list[FileReport]:
     """Send this rank's unique bytes to its partners ``to`` and receive its senders' into
     ``receivers``, message by message in lock step (``send(sends, recvs)`` posts them all and
-    waits); returns the reports of the copies written here."""
+    waits); returns the reports of the copies written here.
+
+    Every rank runs every round its partners and senders expect, whatever fails locally: a
+    message it cannot build goes out as zeros (the partner's checksum of it cannot match the
+    owner's, so the commit refuses it), bytes it cannot write are dropped; the first local
+    failure is raised after the last round, when no rank waits for this one any more."""
     mine = messages(sender.extents) if sender is not None else []
     theirs = [messages(r.extents) for r in receivers]
+    failure: BaseException | None = None
     try:
         for k in range(max([len(mine), *map(len, theirs)])):
-            sends = [(p, sender.message(mine[k])) for p in to] if sender is not None and k < len(mine) else []
-            bufs = [(r, torch.empty(sum(n for _, _, n in m[k]), dtype=torch.uint8)) for r, m in zip(receivers, theirs)
-                    if k < len(m)]
-            send(sends, [(r.sender, buf) for r, buf in bufs])
-            for (r, buf), m in zip(bufs, [m for m in theirs if k < len(m)]):
-                r.take(m[k], buf)
-        return [report for r in receivers for report in r.finish()]
+            sends = []
+            if sender is not None and k < len(mine) and to:
+                try:
+                    data = sender.message(mine[k])
+                except Exception as e:  # noqa: BLE001 - the partners still expect this message
+                    failure = failure or e
+                    data = torch.zeros(sum(n for _, _, n in mine[k]), dtype=torch.uint8)
+                sends = [(p, data) for p in to]
+            taking = [(r, m[k], torch.empty(sum(n for _, _, n in m[k]), dtype=torch.uint8))
+                      for r, m in zip(receivers, theirs) if k < len(m)]
+            send(sends, [(r.sender, buf) for r, _, buf in taking])
+            for r, segments, buf in taking:
+                try:
+                    r.take(segments, buf)
+                except Exception as e:  # noqa: BLE001 - later rounds still run
+                    failure = failure or e
+        reports = []
+        for r in receivers:
+            try:
+                reports += r.finish()
+            except Exception as e:  # noqa: BLE001
+                failure = failure or e
+        if failure is not None:
+            raise failure
+        return reports
     finally:
         for r in receivers:
             r.close()

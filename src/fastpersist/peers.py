@@ -37,7 +37,9 @@ import xxhash
 
 from fastpersist import catalog
 from fastpersist.dist import Comm
-from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError
+from fastpersist.errors import (CheckpointError, CheckpointNotFoundError, CheckpointReadError, CorruptCheckpointError,
+                               IncompleteCheckpointError)
+from fastpersist.view import resolve_step
 from fastpersist.format import copies
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
@@ -56,15 +58,18 @@ STAGING = ".fastpersist-tmp-peer-"  # a clean start removes what a crash left
 
 @dataclass(frozen=True)
 class Holding:
-    """What one node holds of one step: its files' sizes by (root, name), and its manifest."""
+    """What one node holds of one step: its files' sizes by (root, name), and the commit its
+    manifest records ((sequence, created); None: no readable manifest there)."""
 
     files: dict[tuple[int, str], int]
-    manifest: bytes | None
+    commit: tuple[int, float] | None
 
 
-def inventory(roots: Sequence[str], backend: FileBackend) -> dict[int, Holding]:
-    """A node leader's inventory of its roots (best effort: what cannot be listed is absent)."""
+def inventory(roots: Sequence[str], backend: FileBackend) -> tuple[dict[int, Holding], dict[int, bytes]]:
+    """A node leader's inventory of its roots (what cannot be listed is absent), and the raw
+    manifests it found (kept here; sent only when the nodes pick one)."""
     out: dict[int, Holding] = {}
+    raws: dict[int, bytes] = {}
     for entry in catalog.scan(roots[0], backend):
         files: dict[tuple[int, str], int] = {}
         name = catalog.step_dir(entry.step)
@@ -81,14 +86,16 @@ def inventory(roots: Sequence[str], backend: FileBackend) -> dict[int, Holding]:
                     continue
                 if stat.S_ISREG(st.st_mode) and mf.valid_file_name(f):
                     files[(j, f)] = st.st_size
-        raw = None
+        commit = None
         if entry.committed:
             try:
                 raw = backend.read_small(os.path.join(entry.path, mf.MANIFEST_NAME), mf.MAX_MANIFEST_BYTES, "manifest")
+                m = mf.parse(os.path.join(entry.path, mf.MANIFEST_NAME), raw)
+                raws[entry.step], commit = raw, (m.sequence, m.created)
             except CheckpointError as e:
                 logger.warning("%s", e)
-        out[entry.step] = Holding(files, raw)
-    return out
+        out[entry.step] = Holding(files, commit)
+    return out, raws
 
 
 @dataclass
@@ -114,74 +121,118 @@ class PeerRestore:
         self.backend = backend
         self.node = nodes.of_rank[comm.rank]
         self.leader = nodes.is_leader(comm.rank)
+        self._held: dict[int, list[Holding | None]] = {}
+        self._raws: dict[int, bytes] = {}
 
-    def _gather(self) -> tuple[dict[int, list[Holding | None]], str]:
-        """Everyone's inventory, by step then node; and a token rank 0 chose for this restore."""
-        mine = inventory(self.roots, self.backend) if self.leader else None
+    def _gather(self) -> str:
+        """Everyone's inventory (kept by step, then node); returns a token rank 0 chose for this
+        restore. A leader that cannot list its roots holds nothing, as far as the others know."""
+        mine = None
+        self._raws = {}
+        if self.leader:
+            try:
+                mine, self._raws = inventory(self.roots, self.backend)
+            except (OSError, CheckpointError) as e:
+                logger.warning("cannot list this node's roots under %s (%s): restoring from the other nodes",
+                               self.roots[0], e)
         token = secrets.token_hex(4) if self.comm.rank == 0 else ""
         gathered = self.comm.all_gather((mine, token), "control")
-        by_step: dict[int, list[Holding | None]] = {}
+        self._held = {}
         for rank, (inv, _) in enumerate(gathered):
             for step, h in (inv or {}).items():
-                by_step.setdefault(step, [None] * self.nodes.count)[self.nodes.of_rank[rank]] = h
-        return by_step, gathered[0][1]
+                self._held.setdefault(step, [None] * self.nodes.count)[self.nodes.of_rank[rank]] = h
+        return str(gathered[0][1])
 
-    def _candidates(self, by_step: dict[int, list[Holding | None]]) -> list[_Step]:
-        """Every committed step (its most recent manifest), most recent commit first."""
-        out = []
-        for step, held in by_step.items():
-            best: mf.Manifest | None = None
-            for n, h in enumerate(held):
-                if h is None or h.manifest is None:
-                    continue
-                try:
-                    m = mf.parse(f"{catalog.step_dir(step)}/{mf.MANIFEST_NAME} on node {self.nodes.ids[n]}", h.manifest)
-                except CheckpointError as e:
-                    logger.warning("%s", e)
-                    continue
-                if best is None or (m.sequence, m.created) > (best.sequence, best.created):
-                    best = m
-            if best is None:
-                continue
-            holders = [{n for n, h in enumerate(held) if h is not None and h.files.get((f.root, f.name), -1) >= f.size}
-                       for f in best.files]
-            out.append(_Step(best, holders))
-        return sorted(out, key=lambda s: (s.manifest.sequence, s.manifest.created, s.manifest.step), reverse=True)
+    def _commit_of(self, step: int) -> tuple[int, float]:
+        return max((h.commit for h in self._held[step] if h is not None and h.commit is not None), default=(-1, 0.0))
 
-    def resolve(self, step: int | str) -> tuple[_Step | None, str]:
+    def _fetch(self, step: int, node: int) -> mf.Manifest | None:
+        """``node``'s manifest of ``step``, sent by its leader to every rank (collective)."""
+        import torch
+
+        leader = self.nodes.leader(node)
+        raw = self._raws.get(step) if self.comm.rank == leader else None
+        size = int(self.comm.all_gather(len(raw) if raw is not None else -1, "control")[leader])
+        if size < 0:
+            return None
+        buf = torch.empty(size, dtype=torch.uint8)
+        if raw is not None:
+            buf.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        self._broadcast(buf, leader)
+        where = f"{catalog.step_dir(step)}/{mf.MANIFEST_NAME} on node {self.nodes.ids[node]}"
+        try:
+            return mf.parse(where, bytes(memory_view(buf.data_ptr(), size)))
+        except CheckpointError as e:
+            logger.warning("%s", e)
+            return None
+
+    def _broadcast(self, buf: Any, src: int) -> None:
+        broadcast = getattr(self.comm, "broadcast", None)
+        if broadcast is None:
+            raise CheckpointReadError("restoring across nodes needs a comm with broadcast() (fastpersist.dist.GlooComm)")
+        broadcast(buf, src, "control")
+
+    def _step(self, step: int) -> _Step | None:
+        """``step`` with the manifest of its most recent commit among the nodes (collective)."""
+        held = self._held.get(step, [])
+        order = sorted((h.commit, n) for n, h in enumerate(held) if h is not None and h.commit is not None)
+        for _, n in reversed(order):
+            m = self._fetch(step, n)
+            if m is not None:
+                holders = [{k for k, h in enumerate(held) if h is not None and h.files.get((f.root, f.name), -1) >= f.size}
+                           for f in m.files]
+                return _Step(m, holders)
+        return None
+
+    def _by_recency(self) -> list[int]:
+        return sorted((s for s in self._held if self._commit_of(s)[0] >= 0),
+                      key=lambda s: (*self._commit_of(s), s), reverse=True)
+
+    def resolve(self, step: int | str, complete: bool = True) -> tuple[_Step | None, str]:
         """The step to load (collective): see the module's step 2. None when the nodes hold no
-        complete commit and ``step`` is "latest"."""
-        by_step, token = self._gather()
-        cands = self._candidates(by_step)
+        (complete, unless ``complete`` is False) commit and ``step`` is "latest"."""
+        token = self._gather()
         if step != "latest":
-            mine = [c for c in cands if c.manifest.step == step]
-            if not mine:
-                raise CheckpointNotFoundError(f"no node of this job holds a committed checkpoint step {step} "
+            wanted = resolve_step(self.roots[0], step)
+            chosen = self._step(wanted)
+            if chosen is None:
+                raise CheckpointNotFoundError(f"no node of this job holds a committed checkpoint step {wanted} "
                                               f"(under {self.roots[0]} on each node)")
-            missing = mine[0].complete(set())
+            missing = chosen.complete(set()) if complete else []
             if missing:
-                older = next((c.manifest.step for c in cands if c.manifest.sequence < mine[0].manifest.sequence
-                              and not c.complete(set())), None)
-                raise CheckpointReadError(
-                    f"checkpoint step {step} cannot be restored from this job's nodes ({', '.join(self.nodes.ids)}): "
-                    f"{copies.describe_missing(mine[0].manifest, missing)} have no copy on any of them; "
+                older = next((s for s in self._by_recency() if self._commit_of(s) < self._commit_of(wanted)
+                              and (c := self._step(s)) is not None and not c.complete(set())), None)
+                raise IncompleteCheckpointError(
+                    f"checkpoint step {wanted} cannot be restored from this job's nodes ({', '.join(self.nodes.ids)}): "
+                    f"{copies.describe_missing(chosen.manifest, missing)} have no copy on any of them; "
                     + (f"step {older} is the newest complete one" if older is not None else "no older step is complete"))
-            return mine[0], token
-        for c in cands:
-            missing = c.complete(set())
+            return chosen, token
+        for s in self._by_recency():
+            chosen = self._step(s)
+            if chosen is None:
+                continue
+            missing = chosen.complete(set()) if complete else []
             if not missing:
-                return c, token
+                return chosen, token
             logger.warning("checkpoint step %d is not complete on this job's nodes (%s); trying an older one",
-                           c.manifest.step, copies.describe_missing(c.manifest, missing))
+                           s, copies.describe_missing(chosen.manifest, missing))
         return None, token
 
-    def load(self, step: int | str, read: Callable[[list[str], mf.Manifest], T]) -> T:
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank (collective): what one rank saw of something outside
+        the job (the durable tier) decides for all."""
+        return self.comm.all_gather(value if self.comm.rank == 0 else None, "control")[0]
+
+    def load(self, step: int | str, read: Callable[[list[str], mf.Manifest], T], newer: int = -1) -> T:
         """Restore ``step`` (collective; see the module) and return ``read(dirs, manifest)`` on
-        this rank, where ``manifest`` lists this node's copies and the staged files."""
+        this rank, where ``manifest`` lists this node's copies and the staged files. For
+        "latest", a commit whose sequence is not above ``newer`` (the durable tier's latest) is
+        not taken: CheckpointNotFoundError."""
         chosen, token = self.resolve(step)
-        if chosen is None:
+        if chosen is None or (step == "latest" and chosen.manifest.sequence <= newer):
             raise CheckpointNotFoundError(f"no complete committed checkpoint on this job's nodes "
-                                          f"({', '.join(self.nodes.ids)}) under {self.roots[0]}")
+                                          f"({', '.join(self.nodes.ids)}) under {self.roots[0]}"
+                                          + (" more recent than the durable tier's" if newer >= 0 else ""))
         m = chosen.manifest
         staging = os.path.join(self.roots[0], f"{STAGING}{token}")
         bad: set[tuple[int, int]] = set()
@@ -264,65 +315,91 @@ class PeerRestore:
         return out
 
     def _move(self, plan: _Transfers, staging: str, m: mf.Manifest) -> set[tuple[int, int]]:
-        """Step 3: every transfer of ``plan``, batched per source rank; returns the (file, node)
-        copies found damaged (at the sender or at a receiver), known alike on every rank."""
+        """Step 3: every transfer of ``plan``, in pieces of at most BATCH_BYTES batched per source
+        node; returns the (file, node) copies found damaged (at the sender or at a receiver),
+        known alike on every rank. A rank that fails to stage what it receives keeps taking part
+        to the end, then every rank raises."""
         import torch
 
         bad: set[tuple[int, int]] = set()
         receiving = self.leader and any(self.node in t.dests for t in plan.transfers)
-        if receiving:
-            self.backend.makedirs(staging)
+        failure: str | None = None
         handles: dict[int, int] = {}
+        hashes: dict[int, Any] = {}  # transfer index -> xxh3 state of what arrived so far
         try:
+            if receiving:
+                try:
+                    self.backend.makedirs(staging)
+                except OSError as e:
+                    failure = f"cannot create {staging}: {e.strerror or e}"
             for src_node, batch in plan.batches(BATCH_BYTES):
                 src = self.nodes.ranks(src_node)[0]
-                size = sum(t.nbytes for t in batch)
-                buf = torch.empty(len(batch) + size, dtype=torch.uint8)
+                size = sum(n for _, _, n in batch)
+                buf = torch.empty(size + len(batch), dtype=torch.uint8)  # the pieces, then one flag each
                 if self.comm.rank == src:
-                    self._read_batch(batch, buf, m)
-                broadcast = getattr(self.comm, "broadcast")
-                broadcast(buf, src, "control")
+                    self._read_batch(plan, batch, buf, m)
+                self._broadcast(buf, src)
                 view = memory_view(buf.data_ptr(), buf.numel())
-                pos = len(batch)
-                for k, t in enumerate(batch):
-                    data = view[pos : pos + t.nbytes]
-                    pos += t.nbytes
-                    if buf[k].item() != 1:
+                pos = 0
+                for k, (i, off, n) in enumerate(batch):
+                    t, data, flag = plan.transfers[i], view[pos : pos + n], view[size + k]
+                    pos += n
+                    if flag == _DAMAGED:
                         bad.add((t.file, src_node))
+                    if not (receiving and self.node in t.dests) or (t.file, src_node) in bad or failure is not None:
                         continue
-                    if receiving and self.node in t.dests:
-                        if xxhash.xxh3_64_intdigest(data) != t.checksum:
-                            bad.add((t.file, src_node))
-                            continue
-                        self._stage(handles, staging, m, t.file, t.offset, data)
+                    hashes.setdefault(i, xxhash.xxh3_64()).update(data)
+                    if off + n == t.nbytes and hashes.pop(i).intdigest() != t.checksum:
+                        bad.add((t.file, src_node))  # damaged on the way: another copy next round
+                        continue
+                    try:
+                        self._stage(handles, staging, m, t.file, t.offset + off, data)
+                    except OSError as e:
+                        failure = f"writing {os.path.join(staging, m.files[t.file].name)}: {e.strerror or e}"
         finally:
             for fd in handles.values():
                 os.close(fd)
-        # damage seen at a receiver is known there only: tell everyone
-        return {loc for found in self.comm.all_gather(sorted(bad), "control") for loc in found}
+        # damage seen at a receiver, and failures, are known there only: tell everyone
+        gathered = self.comm.all_gather((sorted(bad), failure), "control")
+        failed = [(r, f) for r, (_, f) in enumerate(gathered) if f is not None]
+        if failed:
+            raise CheckpointReadError(f"restoring checkpoint step {m.step}: rank {failed[0][0]} could not stage the "
+                                      f"bytes it received: {failed[0][1]}")
+        return {tuple(loc) for found, _ in gathered for loc in found}  # type: ignore[misc]
 
-    def _read_batch(self, batch: Sequence[_Transfer], buf: Any, m: mf.Manifest) -> None:
-        """At the source: read each extent, check it; flag byte 1 = good, 0 = damaged or unreadable."""
+    def _read_batch(self, plan: _Transfers, batch: Sequence[tuple[int, int, int]], buf: Any, m: mf.Manifest) -> None:
+        """At the source: read each piece; the flag of an extent's last piece says whether the
+        whole extent matched its checksum (_GOOD) or not (_DAMAGED); other pieces: _MORE."""
         view = memory_view(buf.data_ptr(), buf.numel())
-        pos = len(batch)
-        for k, t in enumerate(batch):
+        size = buf.numel() - len(batch)
+        pos = 0
+        for k, (i, off, n) in enumerate(batch):
+            t = plan.transfers[i]
             entry = m.files[t.file]
             path = os.path.join(self.roots[entry.root], catalog.step_dir(m.step), entry.name)
-            ok = 0
-            try:
-                file = self.backend.open_read(path, "off")
+            ok = i not in plan.failed_here
+            if ok:
                 try:
-                    got = os.preadv(file.fd, [view[pos : pos + t.nbytes]], t.offset)
-                finally:
-                    file.close()
-                ok = int(got == t.nbytes and xxhash.xxh3_64_intdigest(view[pos : pos + t.nbytes]) == t.checksum)
-            except (OSError, CheckpointError) as e:
-                logger.warning("checkpoint step %d: cannot read %s for another node: %s", m.step, path, e)
+                    file = self.backend.open_read(path, "off")
+                    try:
+                        got = os.preadv(file.fd, [view[pos : pos + n]], t.offset + off)
+                    finally:
+                        file.close()
+                    ok = got == n
+                    state = plan.sending.setdefault(i, xxhash.xxh3_64())
+                    state.update(view[pos : pos + n])
+                except (OSError, CheckpointError) as e:
+                    logger.warning("checkpoint step %d: cannot read %s for another node: %s", m.step, path, e)
+                    ok = False
+            if ok and off + n == t.nbytes:
+                ok = plan.sending.pop(i).intdigest() == t.checksum
+                if not ok:
+                    logger.warning("checkpoint step %d: bytes %d..%d of %s are damaged; another copy is used",
+                                   m.step, t.offset, t.offset + t.nbytes, path)
             if not ok:
-                logger.warning("checkpoint step %d: bytes %d..%d of %s are damaged; another copy is used",
-                               m.step, t.offset, t.offset + t.nbytes, path)
-            view[k] = ok
-            pos += t.nbytes
+                plan.failed_here.add(i)
+            view[size + k] = _GOOD if ok and off + n == t.nbytes else _MORE if ok else _DAMAGED
+            pos += n
 
     def _stage(self, handles: dict[int, int], staging: str, m: mf.Manifest, f: int, offset: int,
                data: memoryview) -> None:
@@ -330,11 +407,14 @@ class PeerRestore:
         if f not in handles:
             path = os.path.join(staging, m.files[f].name)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            os.ftruncate(fd, m.files[f].size)
             handles[f] = fd
+            os.ftruncate(fd, m.files[f].size)
         done = 0
         while done < len(data):
             done += os.pwrite(handles[f], data[done:], offset + done)
+
+
+_GOOD, _MORE, _DAMAGED = 1, 2, 0  # a piece's flag
 
 
 @dataclass(frozen=True)
@@ -356,6 +436,8 @@ class _Transfers:
 
     def __init__(self, chosen: _Step, bad: set[tuple[int, int]], nodes: int) -> None:
         self.transfers: list[_Transfer] = []
+        self.sending: dict[int, Any] = {}  # at a source: transfer index -> xxh3 state of what it read
+        self.failed_here: set[int] = set()  # at a source: transfers it could not read or found damaged
         self.source_of: dict[tuple[int, int, int], copies.Location] = {}  # (first file, offset, node) -> copy
         sent = [0] * nodes
         for _, e in copies.extents(chosen.manifest):
@@ -376,18 +458,23 @@ class _Transfers:
     def staged_files(self, node: int) -> set[tuple[int, int]]:
         return {(t.file, t.src) for t in self.transfers if node in t.dests}
 
-    def batches(self, limit: int) -> list[tuple[int, list[_Transfer]]]:
-        """Transfers grouped by source node, each group at most ``limit`` bytes (or one extent)."""
-        out: list[tuple[int, list[_Transfer]]] = []
+    def batches(self, limit: int) -> list[tuple[int, list[tuple[int, int, int]]]]:
+        """Pieces (transfer index, offset in the extent, bytes) of at most ``limit`` bytes,
+        grouped by source node into batches of at most ``limit`` bytes, in a fixed order."""
+        out: list[tuple[int, list[tuple[int, int, int]]]] = []
         for src in sorted({t.src for t in self.transfers}):
-            group: list[_Transfer] = []
+            group: list[tuple[int, int, int]] = []
             size = 0
-            for t in (t for t in self.transfers if t.src == src):
-                if group and size + t.nbytes > limit:
-                    out.append((src, group))
-                    group, size = [], 0
-                group.append(t)
-                size += t.nbytes
+            for i, t in enumerate(self.transfers):
+                if t.src != src:
+                    continue
+                for off in range(0, t.nbytes, limit):
+                    n = min(limit, t.nbytes - off)
+                    if group and size + n > limit:
+                        out.append((src, group))
+                        group, size = [], 0
+                    group.append((i, off, n))
+                    size += n
             if group:
                 out.append((src, group))
         return out

@@ -26,6 +26,7 @@ earlier save of the same step and applies retention (best effort: never fails th
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,6 +126,8 @@ class SaveProtocol:
             job.completion.staged()
             raise CheckpointWriteError(self.broken)
         try:
+            if self.nodes is not None and not self._inventoried:
+                self._check_roots_are_local(job.step)
             proposals = agree(self.comm, f"preparing checkpoint step {job.step}", lambda: self._propose(job))
             p = self._plan(job, proposals)
             if self.nodes is not None and not self._inventoried:  # every node cleaned before anyone writes
@@ -135,6 +138,7 @@ class SaveProtocol:
             raise
         self._taken = None
         phase = "data"
+        decision: Decision | None = None
         try:
             written = agree(self.comm, f"writing checkpoint step {job.step}", lambda: self.writer.write(job, p))
             if self.check_replicated:
@@ -153,6 +157,8 @@ class SaveProtocol:
                 self.drainer.forget(job.step)  # rank 0 took it, then the commit failed somewhere: never queued
             if not self._committed(job.step, p.save_id, phase == "nodes"):  # after the commit point, files stay
                 catalog.remove_files(self.writer.roots, job.step, f"{p.save_id}-", self.writer.backend, prune=True)
+            elif phase == "nodes" and self.rank == 0 and decision is not None:
+                self.coordinator.record(job.step, decision)
             raise
         self._account(job, written)
         try:
@@ -251,6 +257,41 @@ class SaveProtocol:
                         dtensor.assign([x.chunks for x in proposals]), rep, own, self.nodes is not None,
                         [x.own for x in proposals])
 
+    def _check_roots_are_local(self, step: int) -> None:
+        """First save on several nodes: every node's leader leaves a token in its first root and
+        looks for the others' there. Seeing one means two nodes share their roots (a shared
+        filesystem): refused on every rank before anything is locked or written."""
+        root = self.writer.roots[0]
+
+        def claim() -> str | None:
+            if not self.leader:
+                return None
+            token = f"{catalog.TEMP_SUFFIX}-node-{secrets.token_hex(6)}"
+            self.writer.backend.makedirs(root)
+            self.writer.backend.write_small(os.path.join(root, token), b"", 0)
+            return token
+
+        tokens = agree(self.comm, f"preparing checkpoint step {step} (checking the nodes' roots)", claim)
+        mine = tokens[self.rank]
+
+        def check() -> None:
+            if mine is None or self.nodes is None:
+                return
+            try:
+                seen = [r for r, t in enumerate(tokens) if t is not None and t != mine
+                        and os.path.lexists(os.path.join(root, t))]
+            finally:
+                self.writer.backend.unlink(os.path.join(root, mine))
+            if seen:
+                other = self.nodes.ids[self.nodes.of_rank[seen[0]]]
+                raise CheckpointWriteError(
+                    f"{root} is the first root of node {self.nodes.ids[self.nodes.of_rank[self.rank]]!r} and of node "
+                    f"{other!r} (a filesystem shared by the nodes): a job on several nodes writes to node-local roots. "
+                    "For roots on a shared filesystem, give every rank the same node id (FASTPERSIST_NODE=shared, "
+                    "or node='shared')")
+
+        agree(self.comm, f"preparing checkpoint step {step} (checking the nodes' roots)", check)
+
     def _adopt(self, proposals: list[Proposal]) -> None:
         """First save on several nodes: every leader learns what every node holds committed
         (a step committed on one node may have its copies on another) before it cleans its
@@ -260,8 +301,12 @@ class SaveProtocol:
             for step, c in (x.commits or {}).items():
                 if step not in everywhere or c.sequence > everywhere[step].sequence:
                     everywhere[step] = c
+        nodes = self.nodes
+        known = nodes is None or all(x.commits is not None for r, x in enumerate(proposals) if nodes.is_leader(r))
+        if not known:
+            logger.warning("a node's roots could not be listed: no node cleans its roots at this start")
         if self.leader:
-            self.coordinator.adopt(everywhere, self.rank == 0)
+            self.coordinator.adopt(everywhere, self.rank == 0, known)
         self._inventoried = True
 
     def _account(self, job: SaveJob, written: list[RankReport]) -> None:

@@ -35,14 +35,18 @@ class RankWriter:
     """Writes one rank's part of a checkpoint under ``roots``."""
 
     def __init__(self, rank: int, roots: Sequence[str], backend: FileBackend, config: Callable[[], IOConfig],
-                 hash_replicas: bool, node: int | None = None, nodes: Nodes | None = None, redundancy: int = 1,
+                 hash_replicas: bool, nodes: Nodes | None = None, redundancy: int = 1,
                  exchange: Callable[[list[Any], list[Any]], None] | None = None) -> None:
         self.rank = rank
         # several nodes with redundancy: the partners' copies of unique bytes (fastpersist.partners)
         self.nodes, self.redundancy, self.exchange = nodes, redundancy, exchange
+        leads = nodes is not None and nodes.count > 1 and nodes.is_leader(rank)
+        copying = nodes is not None and nodes.count > 1 and redundancy > 1
+        self._partners = partners(nodes, rank, redundancy) if copying and nodes is not None else []
+        self._senders = senders(nodes, rank, redundancy) if copying and nodes is not None else []
         # on several nodes: this rank's node if it is the node's leader (it writes the node's copy of
         # the replicated skeleton), else None; on one node rank 0 writes it
-        self.skeleton_node = node
+        self.skeleton_node = nodes.of_rank[rank] if leads and nodes is not None else None
         self.roots = list(roots)
         self.backend = backend
         self._config = config
@@ -76,6 +80,27 @@ class RankWriter:
         cfg = self._config()
         rep, own = p.replicated, p.own
         dirs = [os.path.join(root, p.directory) for root in self.roots]
+        # the partners' copies first, beside every write of this rank's own: the exchange runs
+        # all its rounds whatever happens here, so no rank is left waiting for a message
+        copying = self._copy_unique(job, p, dirs)
+        try:
+            reports, objects = self._write_own(job, p, dirs, cfg)
+        except BaseException:
+            if copying is not None:
+                copying.exception()  # its own failure is secondary to this one
+            raise
+        if copying is not None:
+            reports += copying.result()
+        for d in dirs:  # the new files' directory entries are durable too
+            self.backend.fsync_dir(d)
+        self.backend.event("after-data")
+        return RankReport(reports, objects)
+
+    def _write_own(self, job: SaveJob, p: SavePlan, dirs: list[str], cfg: IOConfig
+                   ) -> tuple[list[FileReport], dict[str, tuple[list[str], list[int], list[mf.TensorEntry]]]]:
+        """This rank's own files: its replicated slots, its skeleton copy, its rank_state, its
+        DTensor pieces (each fsync'd)."""
+        rep, own = p.replicated, p.own
         for d in dirs:
             try:
                 self.backend.makedirs(d)
@@ -103,16 +128,8 @@ class RankWriter:
             path = os.path.join(dirs[0], f"{p.save_id}-{own.name}.skel")
             reports.append(write_skeleton(own, 0, path, self.backend))
             objects[own.name] = (own.keys, own.sizes, own.tensors)
-        copying = self._copy_unique(job, p, dirs)  # beside this rank's own writes
-        try:
-            reports += self._write_shards(p, job.shards, cfg)
-        finally:
-            if copying is not None:
-                reports += copying.result()
-        for d in dirs:  # the new files' directory entries are durable too
-            self.backend.fsync_dir(d)
-        self.backend.event("after-data")
-        return RankReport(reports, objects)
+        reports += self._write_shards(p, job.shards, cfg)
+        return reports, objects
 
     def _copy_unique(self, job: SaveJob, p: SavePlan, dirs: list[str]) -> Future[list[FileReport]] | None:
         """Several nodes, redundancy > 1: send this rank's unique bytes to its partners and write
@@ -127,9 +144,8 @@ class RankWriter:
         mine = extents(self.rank)
         sender = Sender(mine, p.own, job.shards, p.layout) if mine else None
         node = self.nodes.of_rank[self.rank]
-        receivers = [Receiver(k, ext, p.save_id, node, dirs, self.backend)
-                     for k in senders(self.nodes, self.rank, self.redundancy) if (ext := extents(k))]
-        to = partners(self.nodes, self.rank, self.redundancy)
+        receivers = [Receiver(k, ext, p.save_id, node, dirs, self.backend) for k in self._senders if (ext := extents(k))]
+        to = self._partners
         exchange = self.exchange
         pool = ThreadPoolExecutor(1, thread_name_prefix="fastpersist-copies")
         try:

@@ -155,8 +155,7 @@ class CheckpointView:
         A checkpoint of a job on several nodes is checked where its copies lie in these roots;
         bytes with no copy here are one problem, naming them.
         """
-        manifest = self.manifest(step)
-        dirs = [os.path.join(r, catalog.step_dir(manifest.step)) for r in self.roots]
+        dirs, manifest = self._dirs(step)
         problems: builtins.list[objverify.Problem] = []
         if manifest.nodes:
             choose = _present_in(dirs, manifest)

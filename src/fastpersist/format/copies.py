@@ -32,7 +32,7 @@ def extents(manifest: mf.Manifest) -> Iterator[tuple[str, mf.ExtentEntry]]:
 
 def map_extents(manifest: mf.Manifest, fn: Callable[[str, mf.ExtentEntry], mf.ExtentEntry]) -> mf.Manifest:
     """The manifest with every extent replaced by ``fn(what, extent)``."""
-    one = fn
+    one = fn  # (what, extent) -> extent
     objects = {}
     for name, o in manifest.objects.items():
         storages = tuple(dataclasses.replace(s, extents=tuple(one(f"object {name!r} storage {s.key!r}", e)

@@ -276,8 +276,11 @@ def merge_copies(extents: Sequence[mf.ExtentEntry], files: Sequence[mf.FileEntry
         last = out[-1] if out else None
         if last is not None and last.start == e.start and last.nbytes == e.nbytes:
             if last.checksum != e.checksum:
+                names = [files[x.file].name if files else str(x.file) for x in (last, e)]
                 raise CheckpointWriteError(f"two copies of the same bytes differ: {e.nbytes} bytes from byte {e.start} "
-                                           f"have checksums {last.checksum:016x} and {e.checksum:016x}")
+                                           f"in {names[0]} and {names[1]} have checksums {last.checksum:016x} and "
+                                           f"{e.checksum:016x} (the ranks' replicated state differs, or a copy was "
+                                           "damaged on its way to another node)")
             out[-1] = dataclasses.replace(last, copies=(*last.copies, (e.file, e.offset)))
         else:
             out.append(e)

@@ -47,6 +47,34 @@ class DyingNode(NodeLocal):
         self._tick("delete")
 
 
+class FailingNode(NodeLocal):
+    """:class:`NodeLocal` whose ``op`` fails with ENOSPC from its n-th call on: "write" (a data
+    write of a save) or "stage" (creating a restore's staging directory)."""
+
+    def __init__(self, base: str, node: str, fail_at: tuple[str, int]) -> None:
+        super().__init__(base, node)
+        self.fail_at = fail_at
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def _tick(self, op: str) -> None:
+        if op != self.fail_at[0]:
+            return
+        with self._lock:
+            self._count += 1
+            hit = self._count >= self.fail_at[1]
+        if hit:
+            raise OSError(28, "No space left on device (injected)")
+
+    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
+        self._tick("write")
+
+    def makedirs(self, path: str) -> None:
+        if "tmp-peer" in path:
+            self._tick("stage")
+        super().makedirs(path)
+
+
 def node_of(rank: int, per_node: int, names: list[str] | None = None) -> str:
     index = rank // per_node
     return names[index] if names is not None else f"node{index}"
@@ -57,10 +85,11 @@ def roots_of(base: str, node: str, count: int = 2) -> list[str]:
 
 
 def checkpointer(base: str, rank: int, per_node: int, names: list[str] | None = None,
-                 kill_at: tuple[str, int] | None = None, **kw: Any) -> Any:
+                 kill_at: tuple[str, int] | None = None, fail_at: tuple[str, int] | None = None, **kw: Any) -> Any:
     from fastpersist import Checkpointer
 
     node = node_of(rank, per_node, names)
     os.environ["FASTPERSIST_NODE"] = node
-    backend = DyingNode(base, node, kill_at) if kill_at is not None else NodeLocal(base, node)
+    backend = (DyingNode(base, node, kill_at) if kill_at is not None else
+               FailingNode(base, node, fail_at) if fail_at is not None else NodeLocal(base, node))
     return Checkpointer(roots_of(base, node), backend=backend, **kw)

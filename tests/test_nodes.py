@@ -322,3 +322,66 @@ def _load_scaled_out(rank, world, base):
         return ck.latest_step()
     finally:
         ck.close()
+
+
+def _save_with_a_full_disk(rank, world, base):
+    from fastpersist.errors import CheckpointWriteError
+
+    ck = checkpointer(base, rank, PER_NODE, fail_at=("write", 1) if rank == 3 else None, timeout_s=120)
+    try:
+        try:
+            ck.save(0, replicated(0), rank_state=per_rank(0, rank)).wait()
+        except CheckpointWriteError as e:
+            first = str(e)
+        else:
+            first = None
+        return first, ck.latest_step()
+    finally:
+        try:
+            ck.close()
+        except CheckpointWriteError:
+            pass
+
+
+def test_a_full_disk_on_one_node_fails_the_save_everywhere_without_a_hang(tmp_path):
+    base = str(tmp_path / "nodes")
+    results = run_ranks(tmp_path, 4, _save_with_a_full_disk, base, timeout=240)
+    assert all(err is not None and "rank 3" in err and "No space left" in err for err, _ in results), results
+    assert all(latest is None for _, latest in results)  # nothing committed anywhere
+
+
+def _restore_with_a_full_disk(rank, world, base):
+    ck = checkpointer(base, rank, 1, fail_at=("stage", 1) if rank == 2 else None, timeout_s=120)
+    try:
+        ck.load("latest")
+    except CheckpointReadError as e:
+        return str(e)
+    finally:
+        ck.close()
+    return None
+
+
+def test_a_node_that_cannot_stage_fails_the_restore_everywhere_without_a_hang(tmp_path):
+    base = str(tmp_path / "nodes")
+    run_ranks(tmp_path, 4, _save_steps, base, 1, [0], {})
+    errors = run_ranks(tmp_path, 4, _restore_with_a_full_disk, base, timeout=240)
+    assert all(e is not None and "rank 2" in e and "No space left" in e for e in errors), errors
+
+
+def _shared_roots(rank, world, root):
+    from fastpersist.errors import CheckpointWriteError
+
+    ck = Checkpointer(root, node=f"host{rank // 2}", mode="sync")
+    try:
+        ck.save(0, replicated(0))
+    except CheckpointWriteError as e:
+        return str(e)
+    finally:
+        ck.close()
+    return None
+
+
+def test_roots_shared_by_two_nodes_are_refused_naming_the_remedy(tmp_path):
+    errors = run_ranks(tmp_path, 4, _shared_roots, str(tmp_path / "shared"))
+    assert all(e is not None and "FASTPERSIST_NODE=shared" in e for e in errors), errors
+    assert not any(n.startswith("step-") for n in os.listdir(tmp_path / "shared"))

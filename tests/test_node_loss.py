@@ -86,7 +86,7 @@ class Job:
             except subprocess.TimeoutExpired:
                 self.kill(list(range(len(self.procs))))
                 raise AssertionError(f"the job hung: {self.errors()}") from None
-        self.reader.join(10)
+        self.reader.join()  # ends with the process's output
         bad = [(r, p.returncode) for r, p in enumerate(self.procs) if p.returncode != 0]
         assert not bad, f"ranks exited abnormally {bad}: {self.errors()}"
 
@@ -94,7 +94,7 @@ class Job:
         self.kill(list(range(len(self.procs))))
         for p in self.procs:
             p.wait(60)
-        self.reader.join(10)
+        self.reader.join()  # ends with the process's output
 
     def errors(self) -> str:
         out = []

@@ -159,9 +159,7 @@ class Checkpointer:
         close_comm = getattr(self.comm, "close", None) if comm is None else None
         self._close_comm = weakref.finalize(self, close_comm) if close_comm is not None else None
         self.roots, hosts, self.nodes, store = _roots_everywhere(self.comm, paths, durable, node, redundancy)
-        # writers per node: per host on one node (roots on a shared filesystem), per node otherwise
-        self.writer_ranks = writer_ranks(writers, hosts if self.nodes.count == 1 else
-                                         [self.nodes.ids[n] for n in self.nodes.of_rank])
+        self.writer_ranks = writer_ranks(writers, hosts if self.nodes.count == 1 else self.nodes.per_rank())
         self.redundancy = check_redundancy(redundancy, self.nodes, self.writer_ranks)
         self.mode = mode
         self.backend = backend or FileBackend()

@@ -52,6 +52,10 @@ class Nodes:
     def count(self) -> int:
         return len(self.ids)
 
+    def per_rank(self) -> list[str]:
+        """Every rank's node id (``writers`` policies count per node; on one node, per host)."""
+        return [self.ids[n] for n in self.of_rank]
+
     def ranks(self, node: int) -> list[int]:
         return [r for r, n in enumerate(self.of_rank) if n == node]
 

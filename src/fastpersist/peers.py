@@ -353,7 +353,7 @@ class PeerRestore:
                         bad.add((t.file, src_node))  # damaged on the way: another copy next round
                         continue
                     try:
-                        self._stage(handles, staging, m, t.file, t.offset + off, data)
+                        _stage(handles, staging, m, t.file, t.offset + off, data)
                     except OSError as e:
                         failure = f"writing {os.path.join(staging, m.files[t.file].name)}: {e.strerror or e}"
         finally:
@@ -401,20 +401,19 @@ class PeerRestore:
             view[size + k] = _GOOD if ok and off + n == t.nbytes else _MORE if ok else _DAMAGED
             pos += n
 
-    def _stage(self, handles: dict[int, int], staging: str, m: mf.Manifest, f: int, offset: int,
-               data: memoryview) -> None:
-        """At a receiving node's leader: write received bytes at their offset of the staged file."""
-        if f not in handles:
-            path = os.path.join(staging, m.files[f].name)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            handles[f] = fd
-            os.ftruncate(fd, m.files[f].size)
-        done = 0
-        while done < len(data):
-            done += os.pwrite(handles[f], data[done:], offset + done)
-
-
 _GOOD, _MORE, _DAMAGED = 1, 2, 0  # a piece's flag
+
+
+def _stage(handles: dict[int, int], staging: str, m: mf.Manifest, f: int, offset: int, data: memoryview) -> None:
+    """At a receiving node's leader: write received bytes at their offset of the staged file."""
+    if f not in handles:
+        path = os.path.join(staging, m.files[f].name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        handles[f] = fd
+        os.ftruncate(fd, m.files[f].size)
+    done = 0
+    while done < len(data):
+        done += os.pwrite(handles[f], data[done:], offset + done)
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,15 @@ def run_ranks(tmp_path: Any, world: int, fn: Callable[..., Any], *args: Any, tim
     return results
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a job's rendezvous, MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # backends
 

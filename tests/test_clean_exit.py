@@ -16,27 +16,21 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
 import fastpersist as fp
+from helpers import free_port
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clean_exit_child.py")
 WORLD = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _job(layer: str, flags: str, root: str, timeout: float = 240.0) -> list[tuple[int, str]]:
     """Run one 4-rank job; each rank's exit status (negative: the signal) and output."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),

@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,14 +18,10 @@ import time
 
 import pytest
 
+from helpers import free_port
+
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_train_child.py")
 STEPS = 10
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Job:
@@ -34,7 +29,7 @@ class Job:
 
     def __init__(self, base: str, kind: str, world: int, per_node: int, names: list[str] | None = None,
                  kill: dict[int, str] | None = None) -> None:
-        port = _port()
+        port = free_port()
         self.lines: list[str] = []
         self.seen = threading.Condition()
         self.procs = []

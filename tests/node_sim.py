@@ -14,24 +14,27 @@ from typing import Any
 from fastpersist.faults import NodeLocal
 
 
-class DyingNode(NodeLocal):
-    """:class:`NodeLocal` whose process SIGKILLs itself at its n-th ``op`` ("write", "fsync",
-    "rename" or "delete"): the node is lost right there."""
+class FaultyNode(NodeLocal):
+    """:class:`NodeLocal` with one planned fault at the n-th ``op``: "write", "fsync", "rename" or
+    "delete" SIGKILLs the process there (``kill``: the node is lost right there); otherwise
+    "write" or "stage" (creating a restore's staging directory) fails with ENOSPC from then on."""
 
-    def __init__(self, base: str, node: str, kill_at: tuple[str, int]) -> None:
+    def __init__(self, base: str, node: str, op: str, n: int, kill: bool) -> None:
         super().__init__(base, node)
-        self.kill_at = kill_at
+        self.op, self.n, self.kill = op, n, kill
         self._count = 0
         self._lock = threading.Lock()
 
     def _tick(self, op: str) -> None:
-        if op != self.kill_at[0]:
+        if op != self.op:
             return
         with self._lock:
             self._count += 1
-            hit = self._count == self.kill_at[1]
-        if hit:
+            count = self._count
+        if self.kill and count == self.n:
             os.kill(os.getpid(), signal.SIGKILL)
+        if not self.kill and count >= self.n:
+            raise OSError(28, "No space left on device (injected)")
 
     def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
         self._tick("write")
@@ -45,29 +48,6 @@ class DyingNode(NodeLocal):
     def before_delete(self, path: str) -> None:
         super().before_delete(path)
         self._tick("delete")
-
-
-class FailingNode(NodeLocal):
-    """:class:`NodeLocal` whose ``op`` fails with ENOSPC from its n-th call on: "write" (a data
-    write of a save) or "stage" (creating a restore's staging directory)."""
-
-    def __init__(self, base: str, node: str, fail_at: tuple[str, int]) -> None:
-        super().__init__(base, node)
-        self.fail_at = fail_at
-        self._count = 0
-        self._lock = threading.Lock()
-
-    def _tick(self, op: str) -> None:
-        if op != self.fail_at[0]:
-            return
-        with self._lock:
-            self._count += 1
-            hit = self._count >= self.fail_at[1]
-        if hit:
-            raise OSError(28, "No space left on device (injected)")
-
-    def before_write(self, root: int, path: str, offset: int, nbytes: int) -> None:
-        self._tick("write")
 
     def makedirs(self, path: str) -> None:
         if "tmp-peer" in path:
@@ -90,6 +70,6 @@ def checkpointer(base: str, rank: int, per_node: int, names: list[str] | None = 
 
     node = node_of(rank, per_node, names)
     os.environ["FASTPERSIST_NODE"] = node
-    backend = (DyingNode(base, node, kill_at) if kill_at is not None else
-               FailingNode(base, node, fail_at) if fail_at is not None else NodeLocal(base, node))
+    backend = (FaultyNode(base, node, *kill_at, kill=True) if kill_at is not None else
+               FaultyNode(base, node, *fail_at, kill=False) if fail_at is not None else NodeLocal(base, node))
     return Checkpointer(roots_of(base, node), backend=backend, **kw)

@@ -26,22 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from helpers import fsdp_mlp, small_mlp  # noqa: E402
 from node_sim import checkpointer  # noqa: E402
-
-
-class Data:
-    """A stream of batches with its own generator (the same on every rank)."""
-
-    def __init__(self) -> None:
-        self.gen = torch.Generator().manual_seed(3)
-
-    def next(self) -> torch.Tensor:
-        return torch.randn(16, 48, generator=self.gen)
-
-    def state_dict(self) -> dict:
-        return {"gen": self.gen.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.gen.set_state(state["gen"])
+from train_child import Data  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +40,7 @@ def main() -> None:
     else:
         model = small_mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = Data()
+    data = Data(width=48)
     start, ck = 0, None
     if base != "none":
         kill = os.environ.get("NODE_SIM_KILL")

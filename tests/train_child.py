@@ -27,11 +27,12 @@ from fastpersist.state import RNGState
 class Data:
     """A stream of batches with its own generator: a stateful object in the checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32) -> None:
         self.gen = torch.Generator().manual_seed(3)
+        self.width = width
 
     def next(self) -> torch.Tensor:
-        return torch.randn(16, 32, generator=self.gen)
+        return torch.randn(16, self.width, generator=self.gen)
 
     def state_dict(self) -> dict:
         return {"gen": self.gen.get_state()}

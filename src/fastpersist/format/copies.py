@@ -32,15 +32,14 @@ def extents(manifest: mf.Manifest) -> Iterator[tuple[str, mf.ExtentEntry]]:
 
 def map_extents(manifest: mf.Manifest, fn: Callable[[str, mf.ExtentEntry], mf.ExtentEntry]) -> mf.Manifest:
     """The manifest with every extent replaced by ``fn(what, extent)``."""
-    one = fn  # (what, extent) -> extent
     objects = {}
     for name, o in manifest.objects.items():
-        storages = tuple(dataclasses.replace(s, extents=tuple(one(f"object {name!r} storage {s.key!r}", e)
+        storages = tuple(dataclasses.replace(s, extents=tuple(fn(f"object {name!r} storage {s.key!r}", e)
                                                               for e in s.extents)) for s in o.storages)
-        objects[name] = dataclasses.replace(o, skeleton=one(f"object {name!r} skeleton", o.skeleton),
+        objects[name] = dataclasses.replace(o, skeleton=fn(f"object {name!r} skeleton", o.skeleton),
                                             storages=storages)
     sharded = tuple(dataclasses.replace(t, chunks=tuple(
-        dataclasses.replace(c, extents=tuple(one(f"sharded tensor {t.key!r} chunk at {list(c.offsets)}", e)
+        dataclasses.replace(c, extents=tuple(fn(f"sharded tensor {t.key!r} chunk at {list(c.offsets)}", e)
                                              for e in c.extents)) for c in t.chunks)) for t in manifest.sharded)
     return dataclasses.replace(manifest, objects=objects, sharded=sharded)
 

@@ -3,7 +3,8 @@
     python tests/integration_lightning_child.py DIR STEPS DEVICES IO KILL_STEP RESUME
 
 Trains a tiny random-init model for STEPS optimizer steps on DEVICES CPU processes (ddp with
-gloo when 2) with a checkpoint every step through IO ("async", "sharded" or "file"),
+gloo when 2: fastpersist's DDP strategy, every rank writing its share, for the sharded formats)
+with a checkpoint every step through IO ("async", "sharded" or "file"),
 ``ModelCheckpoint(every_n_train_steps=1, save_top_k=2, save_last=True)`` in DIR/ckpt. Rank 0
 appends "GLOBAL_STEP LOSS_HEX" to DIR/losses-<pid>.txt for every step. With KILL_STEP > 0 the
 writer thread SIGKILLs the process on its second write request of the checkpoint of global step
@@ -24,7 +25,7 @@ from torch import nn
 
 from fastpersist.config import IOConfig
 from fastpersist.faults import Fault, FaultyBackend
-from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistCheckpointIO
+from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistCheckpointIO, FastPersistDDPStrategy
 
 
 class Tiny(pl.LightningModule):
@@ -70,8 +71,12 @@ def main() -> None:
     model = Tiny(os.path.join(d, f"losses-{os.getpid()}.txt"))
     ckpt = ModelCheckpoint(dirpath=os.path.join(d, "ckpt"), filename="{step}", every_n_train_steps=1,
                            save_top_k=2, monitor="step", mode="max", save_last=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=int(devices), strategy="ddp" if int(devices) > 1 else "auto",
-                         max_steps=int(steps), plugins=[checkpoint_io(kind, int(kill_step))], callbacks=[ckpt],
+    io = checkpoint_io(kind, int(kill_step))
+    strategy: object = "auto"
+    if int(devices) > 1:
+        strategy = "ddp" if kind == "file" else FastPersistDDPStrategy(checkpoint_io=io, process_group_backend="gloo")
+    trainer = pl.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy,
+                         max_steps=int(steps), plugins=[io] if strategy in ("auto", "ddp") else [], callbacks=[ckpt],
                          logger=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)
     trainer.fit(model, ckpt_path=None if resume == "none" else resume)

@@ -8,6 +8,7 @@ DIR/losses-<pid>.txt. The model has dropout, so the loss depends on the RNG stat
 restored. KILL_STEP > 0: the writer thread SIGKILLs the process on its second write request of
 the checkpoint of that step. RESUME=1 resumes from the latest committed checkpoint. With
 REFERENCE_DIR, an uninterrupted run follows in the same process (saves an interpreter start).
+Launched like torchrun (WORLD_SIZE > 1 in the environment), it trains with ddp over gloo.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def run(d: str, kill_step: int, resume: bool) -> None:
     args = TrainingArguments(output_dir=d, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-3,
                              lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, save_steps=1,
                              save_total_limit=2, report_to=[], use_cpu=True, disable_tqdm=True, seed=42,
-                             dataloader_num_workers=0)
+                             dataloader_num_workers=0,
+                             ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{kill_step:08d}")] if kill_step > 0 else []
     trainer = FastPersistTrainer(model=model, args=args, train_dataset=dataset(),
                                  callbacks=[LossLog(os.path.join(d, f"losses-{os.getpid()}.txt"))],

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -60,3 +61,62 @@ def check_resumed(reference: dict[int, str], killed: dict[int, str], resumed: di
     assert len(resumed) == last - resumed_from + 1
     mismatched = [s for s in resumed if resumed[s] != reference[s]]
     assert not mismatched, f"losses differ from the uninterrupted run at steps {mismatched}"
+
+
+def run_job(script: str, args: list[str], world: int, directory: str, *, killed: bool = False,
+            timeout: float = 420.0) -> None:
+    """Run ``tests/<script> args`` as a ``world``-rank job launched the way torchrun launches
+    one (RANK, LOCAL_RANK, WORLD_SIZE, env:// rendezvous on a free port); as torchrun does, the
+    other ranks are killed once one rank fails. Checks that every rank finished, or that a rank
+    died by SIGKILL (``killed``). Each rank's output goes to ``directory/rank-<r>.log``."""
+    from helpers import free_port
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONHASHSEED="0",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WORLD_SIZE=str(world),
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(os.path.join(directory, f"rank-{rank}.log"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), *args],
+                                      env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    failed = threading.Event()
+    exited: dict[int, int] = {}  # rank -> its exit status, for the ranks that ended on their own
+
+    def watch(rank: int, p: subprocess.Popen[bytes]) -> None:
+        try:
+            exited[rank] = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        if exited.get(rank) != 0:
+            failed.set()
+
+    watchers = [threading.Thread(target=watch, args=(r, p), daemon=True) for r, p in enumerate(procs)]
+    for w in watchers:
+        w.start()
+    try:
+        while any(w.is_alive() for w in watchers) and not failed.wait(1.0):
+            pass
+    finally:
+        own = dict(exited)
+        for p in procs:  # the job's other ranks (and anything they started), as torchrun does
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        codes = [p.wait() for p in procs]
+        for log in logs:
+            log.close()
+    if killed:  # a rank died by SIGKILL, none by anything else
+        ok = -signal.SIGKILL in own.values() and all(c in (0, -signal.SIGKILL) for c in own.values())
+    else:
+        ok = len(own) == world and all(c == 0 for c in own.values())
+    if not ok:
+        outputs = []
+        for rank in range(world):
+            with open(os.path.join(directory, f"rank-{rank}.log")) as f:
+                outputs.append(f"--- rank {rank} ---\n{f.read()[-3000:]}")
+        raise AssertionError(f"{script} {args} on {world} ranks exited with {own} (then {codes})"
+                             f"{' (expected a SIGKILL)' if killed else ''}:\n" + "\n".join(outputs))

@@ -35,7 +35,8 @@ def _kill_and_resume(d: str, devices: int) -> tuple[dict[int, str], dict[int, st
     staged = [(c.step, c.committed) for c in fp.list_checkpoints(os.path.join(ckpt, ".fastpersist-staging"))]
     assert staged == [(2 * (KILL - 1), False)]
     assert not os.path.exists(os.path.join(ckpt, f"step={KILL}.ckpt"))
-    assert fp.load_checkpoint(_committed(os.path.join(ckpt, "last.ckpt")), weights_only=False)["global_step"] == KILL - 1
+    last = _committed(os.path.join(ckpt, "last.ckpt"))
+    assert fp.load_checkpoint(last, rank=0, weights_only=False)["global_step"] == KILL - 1
     # Lightning's own ckpt_path="last" lookup: it must not pick the partial directory
     run_child(CHILD, [d, str(STEPS), str(devices), "async", "0", "last"])
     killed, resumed = read_losses(d)
@@ -71,6 +72,14 @@ def test_ddp_gloo_kill_and_resume_is_exact(tmp_path) -> None:
     check_resumed(reference, killed, resumed, KILL - 1, STEPS - 1)
     # save_top_k=2 with removal through the async plugin: two step checkpoints and last
     assert sorted(os.listdir(run_dir / "ckpt")) == ["last.ckpt", f"step={STEPS - 1}.ckpt", f"step={STEPS}.ckpt"]
+    # FastPersistDDPStrategy: both ranks wrote a share of the model and optimizer state, in one
+    # commit, and the rest of Lightning's dict is rank 0's
+    step_dir = _committed(str(run_dir / "ckpt" / "last.ckpt"))
+    shares = [f for f in os.listdir(step_dir) if "-replicated-" in f]
+    assert len(shares) == 2 and all(os.path.getsize(os.path.join(step_dir, f)) > 0 for f in shares), shares
+    loaded = fp.load_checkpoint(step_dir, weights_only=False)
+    assert set(loaded) == {"state_dict", "optimizer_states"}
+    assert fp.load_checkpoint(step_dir, rank=0, weights_only=False)["global_step"] == STEPS
 
 
 @pytest.mark.long

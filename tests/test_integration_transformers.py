@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 
 import fastpersist as fp
-from integration_util import check_resumed, read_losses, require, run_child
+import pytest
+
+from integration_util import check_resumed, read_losses, require, run_child, run_job
 
 CHILD = "integration_transformers_child.py"
 STEPS = 8
@@ -38,3 +40,33 @@ def test_kill_and_resume_is_exact(tmp_path) -> None:
     state = fp.load_checkpoint(os.path.join(root, f"step-{STEPS:08d}"))
     assert set(state) == {"model", "optimizer", "scheduler", "trainer_state"}
     assert '"global_step": 8' in state["trainer_state"]
+
+
+def _ddp_kill_and_resume(tmp_path, world: int) -> None:
+    run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
+    run_dir.mkdir(), ref_dir.mkdir()
+    root = str(run_dir / "fastpersist")
+    run_job(CHILD, [str(run_dir), str(KILL), "0"], world, str(tmp_path), killed=True)
+    assert {c.step for c in fp.list_checkpoints(root) if c.committed} == {KILL - 2, KILL - 1}
+    run_job(CHILD, [str(run_dir), "0", "1", str(ref_dir)], world, str(tmp_path))
+    (reference,) = read_losses(str(ref_dir))
+    killed, resumed = read_losses(str(run_dir))  # rank 0 alone logs, in the resumed run too
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    check_resumed(reference, killed, resumed, KILL, STEPS)
+    # every rank wrote its share of the replicated state and its own RNG state
+    step_dir = os.path.join(root, f"step-{STEPS:08d}")
+    shares = [f for f in os.listdir(step_dir) if "-replicated-" in f and f.endswith(".bin")]
+    assert len(shares) == world, shares
+    assert all("torch" in fp.load_checkpoint(step_dir, rank=r, weights_only=False)["rng"] for r in range(world))
+    assert '"is_world_process_zero"' not in fp.load_checkpoint(step_dir)["trainer_state"]
+
+
+def test_ddp_two_processes_kill_and_resume_is_exact(tmp_path) -> None:
+    """Under torchrun with 2 processes (ddp, gloo): the state was refused as "differs between
+    ranks" at the second checkpoint (TrainerState's per-process flags)."""
+    _ddp_kill_and_resume(tmp_path, 2)
+
+
+@pytest.mark.long
+def test_ddp_four_processes_kill_and_resume_is_exact(tmp_path) -> None:
+    _ddp_kill_and_resume(tmp_path, 4)

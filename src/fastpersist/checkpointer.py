@@ -36,7 +36,7 @@ import torch
 from fastpersist import dtensor
 from fastpersist.config import IOConfig, get_config
 from fastpersist.coordinator import Coordinator
-from fastpersist.dist import Comm, default_comm, host_name, writer_ranks
+from fastpersist.dist import Comm, LocalComm, agree, default_comm, host_name, writer_ranks
 from fastpersist.driver import SaveDriver
 from fastpersist.durable.drain import Drainer
 from fastpersist.durable.store import DirStore, Store, open_store
@@ -47,6 +47,7 @@ from fastpersist.io.backend import FileBackend
 from fastpersist.job import SaveJob
 from fastpersist.nodes import Nodes, check_redundancy, node_id
 from fastpersist.protocol import SaveProtocol
+from fastpersist.publish import check_directory_save, publish_step
 from fastpersist.rank_writer import RankWriter
 from fastpersist.roots import check_roots
 from fastpersist.stage import OverlapGuard, Stager
@@ -91,7 +92,9 @@ class Checkpointer:
         check_replicated: before committing, check that ``state`` holds the same bytes on
             every rank (default True; costs one hash of the state per rank, overlapped with
             the writes). Turn off only for jobs that guarantee replication.
-        comm: the coordination seam (default: a private gloo group, or none at world size 1).
+        comm: the coordination seam (default: a private gloo group, or none at world size 1);
+            ``"local"``: this process alone, even in a distributed job (what a framework that
+            saves on one rank only needs).
         backend: the file seam (default: real files); see :mod:`fastpersist.faults`.
         config: I/O settings (default: the process-wide configuration).
         timeout_s: how long a rank waits for the others in a collective.
@@ -137,7 +140,7 @@ class Checkpointer:
         snapshot_bytes: int = 2 << 30,
         writers: str | int | Sequence[int] = "all",
         check_replicated: bool = True,
-        comm: Comm | None = None,
+        comm: Comm | str | None = None,
         backend: FileBackend | None = None,
         config: IOConfig | None = None,
         timeout_s: float = 600.0,
@@ -153,7 +156,7 @@ class Checkpointer:
         _check_arguments(mode, max_in_flight, snapshot_bytes, history, timeout_s)
         retention = Retention(keep, keep_every, abandoned)
         paths = root_list(roots)
-        self.comm = comm if comm is not None else default_comm(timeout_s)
+        self.comm = _comm(comm, timeout_s)
         # A comm of our own is closed (its process groups destroyed) by close(), when the
         # Checkpointer is collected, or at exit: never left to the interpreter's teardown.
         close_comm = getattr(self.comm, "close", None) if comm is None else None
@@ -226,7 +229,8 @@ class Checkpointer:
         self._guard.protect(optimizer)
 
     def save(self, step: int, state: Any, *, rank_state: Any = None,
-             metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+             metadata: Mapping[str, Any] | None = None,
+             directory: str | os.PathLike[str] | None = None) -> SaveHandle:
         """Checkpoint ``state`` as step ``step`` (call on every rank); returns a handle.
 
         Args:
@@ -239,6 +243,11 @@ class Checkpointer:
             rank_state: what differs per rank (its optimizer shard, its RNG state), written
                 by that rank alone.
             metadata: a JSON object stored in the manifest (see :meth:`metadata`).
+            directory: save the checkpoint into this directory instead of keeping it under the
+                roots (:mod:`fastpersist.publish`): once committed, it is moved there and
+                atomically replaces what the directory held; the handle completes then. The
+                directory is a one-checkpoint root (``fastpersist.open(directory)`` reads it).
+                Needs one root, on the directory's filesystem, one node, no durable tier.
 
         Returns:
             A :class:`SaveHandle`: a future of the commit; ``handle.staged`` is the moment
@@ -259,12 +268,15 @@ class Checkpointer:
             raise CheckpointWriteError(self._protocol.broken)
         check_step(step)
         meta = _check_metadata(metadata)
+        target = None if directory is None else check_directory_save(
+            directory, len(self.roots), self.nodes.count, self._drainer is not None)
         completion = Completion(SaveHandle(SaveMetrics(step, self.mode)))
         if not self._driver.make_room(completion):
             self.history.append(completion.handle.metrics)
             self._driver.raise_failed()
             return completion.handle
         job = _new_job(step, state, rank_state, meta, completion, t0)
+        job.directory = target
         live = self._guard.storages() if self.mode == "overlap" else set()
         job.inline = self.mode == "sync" or not self._stager.stage(job, live)
         if not job.inline and not job.live:
@@ -290,7 +302,16 @@ class Checkpointer:
     def _run(self, job: SaveJob) -> None:
         """The save protocol for one job (in the driver's worker)."""
         self._protocol.run(job)
+        if job.directory is not None:
+            directory, root = job.directory, self.roots[0]
+            agree(self.comm, f"publishing checkpoint step {job.step} as {directory}",
+                  lambda: self._publish(job.step, root, directory) if self.rank == 0 else None)
         job.metrics.total_s = time.perf_counter() - job.started
+
+    def _publish(self, step: int, root: str, directory: str) -> None:
+        self._coordinator.janitor.drain()  # no deletion of the roots' old steps races the move
+        publish_step(root, step, directory, self.backend)
+        self._coordinator.release(step)
 
     def _finished(self, job: SaveJob, error: BaseException | None) -> None:
         self._stager.release(job)
@@ -422,6 +443,16 @@ def _roots_everywhere(comm: Comm, paths: list[str], durable: str | os.PathLike[s
         raise TypeError(f"comm: a job on several nodes ({', '.join(nodes.ids)}) needs a comm with broadcast() and "
                         f"exchange() (as fastpersist.dist.GlooComm has), got a {type(comm).__name__}")
     return roots, [o[0] for o in outcomes], nodes, store
+
+
+def _comm(comm: Comm | str | None, timeout_s: float) -> Comm:
+    if comm is None:
+        return default_comm(timeout_s)
+    if isinstance(comm, str):
+        if comm != "local":
+            raise ValueError(f"comm must be a Comm, None or \"local\", got {comm!r}")
+        return LocalComm()
+    return comm
 
 
 def _close_all(*closers: Callable[[], object] | None) -> None:

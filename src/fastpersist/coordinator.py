@@ -254,6 +254,13 @@ class Coordinator:
         if gone:
             self.janitor.delete(gone, self._kept)
 
+    def release(self, step: int) -> None:
+        """Forget the commit of ``step``, moved out of the roots (a directory save,
+        :mod:`fastpersist.publish`): retention no longer counts it."""
+        with self._lock:
+            if self._commits is not None:
+                self._commits.pop(step, None)
+
     def _kept(self, step: int, commit: timeline.Commit) -> None:
         with self._lock:
             if self._commits is not None:

@@ -34,6 +34,7 @@ class SaveJob:
     inline: bool = False  # save() waits for the commit: the state was not copied
     number: int = 0  # this Checkpointer's n-th queued save (the same on every rank)
     prepared: tuple[Prepared, Prepared | None] | None = None  # pickled state and rank state
+    directory: str | None = None  # save(directory=...): published there after the commit
 
     @property
     def handle(self) -> SaveHandle:

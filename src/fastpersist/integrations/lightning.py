@@ -1,27 +1,36 @@
-"""Lightning checkpoints written by fastpersist: a ``CheckpointIO`` plugin.
+"""Lightning checkpoints written by fastpersist: ``CheckpointIO`` plugins and a DDP strategy.
 
 ::
 
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO
+    from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistDDPStrategy
 
-    trainer = Trainer(plugins=[AsyncFastPersistCheckpointIO()],
+    trainer = Trainer(strategy=FastPersistDDPStrategy(),           # ddp: every rank writes its share
                       callbacks=[ModelCheckpoint(every_n_train_steps=1, save_top_k=2, monitor="step",
                                                  mode="max", save_last=True)])
     trainer.fit(model, ckpt_path="path/to/last.ckpt")   # resume as usual
 
-Lightning builds the checkpoint dict and calls ``CheckpointIO.save_checkpoint(checkpoint, path)``
-on global rank 0 (``ModelCheckpoint`` decides when, and removes old ones through
-``remove_checkpoint``); fastpersist only changes how the bytes reach the disk:
+Lightning builds the checkpoint dict and hands it to its strategy, which hands it to its
+``CheckpointIO`` (``ModelCheckpoint`` decides when, and removes old ones through
+``remove_checkpoint``); fastpersist changes how the bytes reach the disk:
 
 - ``FastPersistCheckpointIO(format="file")``: ``path`` is one torch.load-compatible file
   written with O_DIRECT (:func:`fastpersist.save`); ``torch.load(path)`` reads it.
 - ``FastPersistCheckpointIO(format="sharded")``: ``path`` is a directory holding one
-  fastpersist checkpoint (parallel files, checksums; ``fastpersist convert`` makes it one file).
+  fastpersist checkpoint (parallel files, checksums; ``fastpersist convert`` makes it one file),
+  saved with the Checkpointer's directory saves (:mod:`fastpersist.publish`).
 - ``AsyncFastPersistCheckpointIO``: the sharded format in the Checkpointer's ``snapshot`` mode:
   ``save_checkpoint`` returns once the state is copied into the snapshot arena, and the write
   overlaps the next steps. The directory appears under ``path`` only once committed.
+- ``FastPersistDDPStrategy``: Lightning's ``DDPStrategy`` hands the checkpoint to its
+  ``CheckpointIO`` on global rank 0 only; this subclass hands it over on every rank, so every
+  rank writes its share of the model and optimizer state (technique 2), in one commit.
+
+What is written: the model's and optimizers' state (``state_dict``, ``optimizer_states``) as
+the replicated state, written once, split over the writing ranks (checked to be the same on
+each); everything else in Lightning's dict (loops, callbacks, hyper-parameters) as rank 0's own
+state, since Lightning's checkpoint is rank 0's dict. ``load_checkpoint`` merges the two.
 
 Lightning does not save RNG states in its checkpoint dict; a module that draws random numbers
 during training and must resume bit for bit adds them in ``on_save_checkpoint``.
@@ -31,24 +40,29 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
-from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import DDPStrategy
 
+from fastpersist import catalog
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointError
+from fastpersist.format import manifest as mf
+from fastpersist.handle import SaveHandle
 from fastpersist.integrations import _local
+from fastpersist.publish import directory_checkpoint
 from fastpersist.single_file import load as load_file
 from fastpersist.single_file import save as save_file
+from fastpersist.view import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("file", "sharded")
+BULK = ("state_dict", "optimizer_states")  # the replicated state; the rest is rank 0's
 
-__all__ = ["AsyncFastPersistCheckpointIO", "FastPersistCheckpointIO"]
+__all__ = ["AsyncFastPersistCheckpointIO", "FastPersistCheckpointIO", "FastPersistDDPStrategy"]
 
 
 class FastPersistCheckpointIO(CheckpointIO):
@@ -59,7 +73,7 @@ class FastPersistCheckpointIO(CheckpointIO):
             ``"sharded"`` (one fastpersist checkpoint directory per checkpoint).
         config: I/O settings (:class:`fastpersist.IOConfig`); the environment's by default.
         **checkpointer_kwargs: further :class:`fastpersist.Checkpointer` arguments for the
-            sharded format (``backend``, ``snapshot_bytes``, ...).
+            sharded format (``backend``, ``snapshot_bytes``, ``max_in_flight``, ...).
 
     Raises:
         CheckpointError: an unknown ``format``.
@@ -75,6 +89,21 @@ class FastPersistCheckpointIO(CheckpointIO):
         self.format = format
         self.config = config
         self._named = _local.NamedCheckpoints(self.mode, config=config, **checkpointer_kwargs)
+        self._pending: dict[str, SaveHandle] = {}  # path -> its save, not yet known to be published
+
+    @property
+    def collective(self) -> bool:
+        """Whether every rank calls :meth:`save_checkpoint` (set by :class:`FastPersistDDPStrategy`),
+        so every rank writes its share; otherwise global rank 0 writes alone."""
+        return self._named.collective
+
+    @collective.setter
+    def collective(self, value: bool) -> None:
+        if self._named.collective != value and self._pending:
+            raise CheckpointError("the CheckpointIO's ranks cannot change while checkpoints are in flight")
+        if self._named.collective != value:
+            self._named.close()
+            self._named.collective = value
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write Lightning's ``checkpoint`` dict to ``path``.
@@ -86,12 +115,21 @@ class FastPersistCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise CheckpointError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
-        path = os.fspath(path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        path = os.path.abspath(os.fspath(path))
+        rank0 = not self.collective or dist.get_rank() == 0
+        if rank0:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         if self.format == "file":
-            save_file(checkpoint, path, config=self.config)
+            if rank0:
+                save_file(checkpoint, path, config=self.config)
             return
-        self._named.publish(self._named.start(checkpoint, path))
+        self._wait_for(path)  # the same name again: the earlier save is published first
+        self._pending = {p: h for p, h in self._pending.items() if not h.done()}
+        bulk = {k: checkpoint[k] for k in BULK if k in checkpoint}
+        rest = {k: v for k, v in checkpoint.items() if k not in BULK}
+        self._pending[path] = self._named.save(bulk, path, rest if rank0 else None)
+        if self.mode == "sync":
+            self._wait_for(path)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint written by either format (or by ``torch.save``: a torch file).
@@ -101,38 +139,47 @@ class FastPersistCheckpointIO(CheckpointIO):
             map_location: as in ``torch.load``.
             weights_only: as in ``torch.load`` (None: True, torch's default).
         """
-        path = os.fspath(path)
+        path = os.path.abspath(os.fspath(path))
+        self._wait_for(path)
         only = True if weights_only is None else weights_only
-        if os.path.isdir(path):
-            return _local.load_dir(path, map_location, only)
+        if os.path.isdir(path) or os.path.isdir(path + ".fp-old"):
+            return load_directory(path, map_location, only)
         return load_file(path, map_location, weights_only=only, config=self.config)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the checkpoint at ``path`` (file or directory)."""
-        _local.remove_path(os.fspath(path))
+        """Remove the checkpoint at ``path`` (file or directory), once written if in flight."""
+        path = os.path.abspath(os.fspath(path))
+        self._wait_for(path)
+        _local.remove_path(path)
+
+    def wait(self) -> None:
+        """Wait until every checkpoint in flight is published; raise the first failure."""
+        for path in list(self._pending):
+            self._wait_for(path)
 
     def teardown(self) -> None:
-        """Release the staging root (Lightning calls it at the end of ``fit``)."""
-        self._named.close()
+        """Finish the checkpoints in flight and release the staging root (Lightning calls it at
+        the end of ``fit``)."""
+        try:
+            self.wait()
+        finally:
+            self._pending.clear()
+            self._named.close()
 
-
-@dataclass
-class _Pending:
-    staged: _local.Staged
-    published: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def path(self) -> str:
-        return self.staged.path
+    def _wait_for(self, path: str) -> None:
+        handle = self._pending.pop(path, None)
+        if handle is not None:
+            handle.wait()
 
 
 class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
     """A Lightning ``CheckpointIO`` whose saves return at once and overlap the next steps.
 
     ``save_checkpoint`` copies the state into the Checkpointer's bounded snapshot arena and
-    returns; a background thread waits for the commit and publishes the directory. A failure is
-    raised by the next ``save_checkpoint`` or by ``teardown``. ``remove_checkpoint`` and
-    ``load_checkpoint`` of a path being written wait for it first.
+    returns; the Checkpointer's worker writes, commits and moves it under ``path``
+    (:mod:`fastpersist.publish`). A failure is raised by the next ``save_checkpoint``, by
+    ``wait`` or by ``teardown``. ``remove_checkpoint`` and ``load_checkpoint`` of a path being
+    written wait for it first.
 
     Args:
         max_in_flight: checkpoints being written at once; a further save waits for the oldest.
@@ -144,90 +191,47 @@ class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
     mode = "snapshot"
 
     def __init__(self, *, max_in_flight: int = 1, config: IOConfig | None = None, **checkpointer_kwargs: Any) -> None:
-        super().__init__("sharded", config=config, **checkpointer_kwargs)
-        if max_in_flight < 1:
-            raise CheckpointError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise CheckpointError(f"max_in_flight must be at least 1, got {max_in_flight!r}")
+        super().__init__("sharded", config=config, max_in_flight=max_in_flight, **checkpointer_kwargs)
         self.max_in_flight = max_in_flight
-        self._pending: list[_Pending] = []
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[_Pending | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._errors: list[BaseException] = []
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Start writing ``checkpoint`` to the directory ``path`` and return (see the class)."""
-        if storage_options is not None:
-            raise CheckpointError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
-        path = os.fspath(path)
-        self._raise_error()
-        self._wait_for(lambda p: p.path == path)  # the same name: the earlier save publishes first
-        while True:
-            with self._lock:
-                oldest = self._pending[0] if len(self._pending) >= self.max_in_flight else None
-            if oldest is None:
-                break
-            oldest.published.wait()
-        self._raise_error()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        item = _Pending(self._named.start(checkpoint, path))
-        with self._lock:
-            self._pending.append(item)
-        self._ensure_thread()
-        self._queue.put(item)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        self._wait_for(lambda p: p.path == os.fspath(path))
-        return super().load_checkpoint(path, map_location, weights_only)
+class FastPersistDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy``, with every rank writing its share of each checkpoint.
 
-    def remove_checkpoint(self, path: Any) -> None:
-        self._wait_for(lambda p: p.path == os.fspath(path))
-        super().remove_checkpoint(path)
+    ``DDPStrategy.save_checkpoint`` calls the ``CheckpointIO`` on global rank 0 only; this
+    subclass calls a fastpersist sharded ``CheckpointIO`` on every rank (a Checkpointer over
+    all ranks, one commit), and behaves as ``DDPStrategy`` for any other ``CheckpointIO``.
+    Removal, loading and everything else are ``DDPStrategy``'s.
 
-    def wait(self) -> None:
-        """Wait until every checkpoint in flight is published; raise the first failure."""
-        self._wait_for(lambda p: True)
-        self._raise_error()
+    Args:
+        *args, **kwargs: ``DDPStrategy``'s; ``checkpoint_io`` defaults to
+            :class:`AsyncFastPersistCheckpointIO` (a ``plugins=[...]`` CheckpointIO replaces it).
+    """
 
-    def teardown(self) -> None:
-        """Finish the checkpoints in flight and stop the background thread (Lightning calls it
-        at the end of ``fit``)."""
-        try:
-            self.wait()
-        finally:
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join()
-                self._thread = None
-            self._named.close()
+    def __init__(self, *args: Any, checkpoint_io: CheckpointIO | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, checkpoint_io=checkpoint_io or AsyncFastPersistCheckpointIO(), **kwargs)
 
-    def _wait_for(self, match: Any) -> None:
-        with self._lock:
-            waiting = [p for p in self._pending if match(p)]
-        for p in waiting:
-            p.published.wait()
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        io = self.checkpoint_io
+        if not isinstance(io, FastPersistCheckpointIO) or io.format != "sharded":
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        io.collective = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        io.save_checkpoint(checkpoint, filepath, storage_options)
 
-    def _raise_error(self) -> None:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._publish_loop, name="fastpersist-lightning", daemon=True)
-            self._thread.start()
+def load_directory(path: str, map_location: Any = None, weights_only: bool = True) -> dict[str, Any]:
+    """The Lightning checkpoint dict saved as directory ``path``: the replicated state merged
+    with rank 0's own (see the module), or a whole dict saved as replicated state.
 
-    def _publish_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            try:
-                self._named.publish(item.staged)
-            except BaseException as e:  # noqa: BLE001 - raised by the next save or teardown
-                logger.error("Lightning checkpoint %s failed: %s", item.path, e)
-                with self._lock:
-                    self._errors.append(e)
-            with self._lock:
-                self._pending.remove(item)
-            item.published.set()
+    Raises:
+        CheckpointNotFoundError: ``path`` holds no committed checkpoint.
+    """
+    step_dir = directory_checkpoint(path)
+    state = load_checkpoint(step_dir, map_location=map_location, weights_only=weights_only)
+    if mf.rank_object(0) in catalog.read_manifest(step_dir).objects:
+        rest = load_checkpoint(step_dir, rank=0, map_location=map_location, weights_only=weights_only)
+        state = {**rest, **state}
+    return state

@@ -46,8 +46,10 @@ from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 
+from fastpersist import catalog
 from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
+from fastpersist.format import manifest as mf
 from fastpersist.state import RNGState
 
 logger = logging.getLogger(__name__)
@@ -136,8 +138,11 @@ class FastPersistTrainer(Trainer):
         self._fp_loaded = self._read(step_dir)
         self._fp_resume_dir = tempfile.mkdtemp(prefix="fastpersist-resume-")
         try:
+            doc = json.loads(self._fp_loaded[0]["trainer_state"])
+            doc.update(is_local_process_zero=self.is_local_process_zero(),  # this process's, not the saver's
+                       is_world_process_zero=self.is_world_process_zero())
             with open(os.path.join(self._fp_resume_dir, TRAINER_STATE_NAME), "w") as f:
-                f.write(self._fp_loaded[0]["trainer_state"])
+                json.dump(doc, f, indent=2, sort_keys=True)
             return self._train_and_wait(self._fp_resume_dir, trial, ignore_keys_for_eval, **kwargs)
         finally:
             shutil.rmtree(self._fp_resume_dir, ignore_errors=True)
@@ -178,6 +183,10 @@ class FastPersistTrainer(Trainer):
             return state, None
         rank = self.args.process_index
         logger.info("rank %d resumes from %s", rank, step_dir)
+        if mf.rank_object(rank) not in catalog.read_manifest(step_dir).objects:
+            logger.warning("the checkpoint in %s was saved by fewer processes: process %d has no RNG state to "
+                           "restore (as the Trainer's own checkpoints; resuming is not bit-exact then)", step_dir, rank)
+            return state, None
         return state, load_checkpoint(step_dir, others, rank=rank, map_location="cpu")
 
     def _loaded(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -225,9 +234,15 @@ class FastPersistTrainer(Trainer):
         return None
 
 
+PER_PROCESS = ("is_local_process_zero", "is_world_process_zero")  # TrainerState's fields that differ by rank
+
+
 def _state_json(state: Any) -> str:
-    """``TrainerState`` as the JSON text ``TrainerState.save_to_json`` writes."""
-    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+    """``TrainerState`` as the JSON text ``TrainerState.save_to_json`` writes, without the
+    fields that differ by process (the same text on every rank, so it is replicated state; a
+    resumed process sets them from itself)."""
+    doc = {k: v for k, v in dataclasses.asdict(state).items() if k not in PER_PROCESS}
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
 def _check_supported(trainer: Trainer) -> None:

@@ -1,0 +1,165 @@
+"""Checkpoints saved into a directory the caller names: ``save(step, state, directory=X)``.
+
+Frameworks name their checkpoints by path (Lightning's ``epoch=0-step=5.ckpt``, a ``last.ckpt``
+replaced at every save), while a Checkpointer names them by step under fixed roots. A save with
+``directory=X`` is written and committed under the roots as any other (every rank writes its
+share, checksums, manifest last), then, still in the save's job and before its handle
+completes, rank 0 moves the committed step directory out of the root:
+
+1. ``root/step-N`` is renamed into ``X.fp-partial/`` (same filesystem: a rename, no copy), and
+   ``X.fp-partial/latest`` names it: ``X.fp-partial`` is now a one-root checkpoint root;
+2. ``X.fp-partial`` takes ``X``'s place in one atomic exchange (``renameat2(RENAME_EXCHANGE)``),
+   so ``X`` names the old checkpoint or the new one at every instant, never nothing; the old
+   one, now under ``X.fp-partial``, is removed. Where the filesystem cannot exchange, ``X`` is
+   renamed to ``X.fp-old`` first; a crash between the two renames is undone by the next
+   publish of ``X`` or read of it (:func:`recover`).
+
+So ``X`` is a self-contained checkpoint root holding one committed checkpoint, read by
+``fastpersist.open(X)``, ``load_checkpoint``, the command line and :func:`load_directory`.
+A crash before the exchange leaves ``X`` as it was, and the new checkpoint at most in
+``X.fp-partial`` (removed by the next publish of ``X``). The handle completes when ``X`` is the
+new checkpoint, on every rank (one collective after the commit).
+
+Limits, refused at ``save()`` on every rank alike: one root (the step directory must be one
+directory), one node (or roots every node shares), no durable tier (the step leaves the roots
+the drain reads). ``X`` must be on the roots' filesystem (a rename; otherwise the save fails
+naming both paths, and the checkpoint stays committed under the roots).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import shutil
+
+from fastpersist import catalog
+from fastpersist.errors import CheckpointNotFoundError, CheckpointWriteError
+from fastpersist.io.backend import FileBackend
+from fastpersist.io.files import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+PARTIAL_SUFFIX = ".fp-partial"
+OLD_SUFFIX = ".fp-old"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def check_directory_save(directory: object, roots: int, nodes: int, durable: bool) -> str:
+    """The absolute path of a ``directory=`` save, or why it cannot be one (the same on every
+    rank: the arguments are the Checkpointer's, checked at construction to agree)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+    path = os.path.abspath(os.fspath(directory))
+    why = ("the Checkpointer has several roots (a directory save holds one root's step directory)" if roots > 1
+           else "the job spans several nodes with node-local roots" if nodes > 1
+           else "the Checkpointer drains to a durable tier (the checkpoint would leave the roots the drain reads)"
+           if durable else None)
+    if why is not None:
+        raise ValueError(f"save(directory={path!r}): {why}; save into a directory with one root, on one node "
+                         "(or roots every node shares), without durable=")
+    return path
+
+
+def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> None:
+    """Move the committed checkpoint ``step`` out of ``root`` into ``directory`` (see the module).
+
+    Raises:
+        CheckpointWriteError: the move failed (naming the paths and the cause); the checkpoint
+            then stays committed under ``root`` and ``directory`` is unchanged.
+    """
+    name = catalog.step_dir(step)
+    partial = directory + PARTIAL_SUFFIX
+    try:
+        recover(directory)
+        remove_path(partial)
+        backend.makedirs(partial)
+        backend.replace(os.path.join(root, name), os.path.join(partial, name))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            remove_path(partial)
+        hint = (" (the directory must be on the roots' filesystem: the checkpoint is renamed, not copied)"
+                if e.errno == errno.EXDEV else "")
+        raise CheckpointWriteError(f"checkpoint step {step} is committed under {root} but could not be moved into "
+                                   f"{directory}: {e.strerror or e}{hint}") from e
+    try:
+        catalog.point_latest(partial, step, backend)
+        backend.fsync_dir(root)
+        swap_in(partial, directory)
+    except OSError as e:
+        raise CheckpointWriteError(f"checkpoint step {step}: publishing {partial} as {directory} failed: "
+                                   f"{e.strerror or e}; {partial} holds the committed checkpoint") from e
+
+
+def swap_in(partial: str, path: str) -> None:
+    """Make ``partial`` (a directory) take ``path``'s place atomically; the old ``path``, if
+    any, is removed afterwards."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(path) and _exchange(partial, path):
+        fsync_dir(parent)
+        remove_path(partial)  # the old checkpoint, now under the partial name
+        return
+    old = None
+    if os.path.lexists(path):
+        old = path + OLD_SUFFIX
+        remove_path(old)
+        os.rename(path, old)
+    os.rename(partial, path)
+    fsync_dir(parent)
+    if old is not None:
+        remove_path(old)
+
+
+def recover(path: str) -> None:
+    """Undo a crash between the two renames of a publish without exchange: ``path`` missing
+    and ``path.fp-old`` present means ``path.fp-old`` is the last published checkpoint."""
+    old = path + OLD_SUFFIX
+    if not os.path.lexists(path) and os.path.isdir(old):
+        logger.warning("%s was being replaced when a process died; restoring the previous checkpoint from %s",
+                       path, old)
+        os.rename(old, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def remove_path(path: str) -> None:
+    """Remove a checkpoint file, directory or link; nothing if it does not exist."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def directory_checkpoint(path: str) -> str:
+    """The step directory of the checkpoint published as ``path`` (its most recent commit).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` holds no committed fastpersist checkpoint.
+    """
+    recover(path)
+    step = catalog.read_latest(path) if os.path.isdir(path) else None
+    if step is None:
+        raise CheckpointNotFoundError(f"{path} holds no committed fastpersist checkpoint")
+    return os.path.join(path, catalog.step_dir(step))
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the names ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)

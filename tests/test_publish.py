@@ -1,0 +1,138 @@
+"""Saving a checkpoint into a directory the caller names (``save(..., directory=X)``), and
+``comm="local"``: the two calls frameworks need (Lightning's plugins are built on them).
+
+Real files, real SIGKILLs of a child process at each point of a publish, a real second
+filesystem (tmpfs) for the cross-filesystem refusal, real gloo ranks for ``comm="local"``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist.errors import CheckpointNotFoundError, CheckpointWriteError
+from fastpersist.publish import OLD_SUFFIX, PARTIAL_SUFFIX, directory_checkpoint, recover
+from helpers import run_ranks
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def _state(i: int) -> dict:
+    return {"w": torch.full((50_000,), float(i)), "i": i}
+
+
+def test_directory_save_replaces_the_directory_with_the_new_checkpoint(tmp_path) -> None:
+    stage, target = str(tmp_path / "stage"), str(tmp_path / "last.ckpt")
+    with fp.Checkpointer(stage, comm="local") as ck:
+        for i in range(3):
+            h = ck.save(i, _state(i), rank_state={"mine": i}, directory=target)
+            h.wait()  # the handle completes once the directory holds the checkpoint
+            view = fp.open(target)
+            assert [c.step for c in view.list()] == [i]
+            assert view.load()["i"] == i and torch.equal(view.load()["w"], _state(i)["w"])
+            assert view.load_rank_state(rank=0)["mine"] == i
+        # moved out of the staging root, nothing left behind beside the directory
+        assert [c.step for c in fp.list_checkpoints(stage)] == []
+        assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "stage"]
+        # a plain save keeps working beside directory saves
+        ck.save(7, _state(7)).wait()
+        assert ck.latest_step() == 7
+    assert fp.load_checkpoint(directory_checkpoint(target))["i"] == 2
+    assert fp.open(target).verify() == []
+
+
+def test_directory_save_is_refused_where_the_checkpoint_is_not_one_directory(tmp_path) -> None:
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with fp.Checkpointer(roots, comm="local") as ck:
+        with pytest.raises(ValueError, match="several roots"):
+            ck.save(1, _state(1), directory=str(tmp_path / "x"))
+    with fp.Checkpointer(str(tmp_path / "c"), durable=str(tmp_path / "durable")) as ck:
+        with pytest.raises(ValueError, match="durable tier"):
+            ck.save(1, _state(1), directory=str(tmp_path / "x"))
+        with pytest.raises(TypeError, match="must be a path"):
+            ck.save(1, _state(1), directory=3)  # type: ignore[arg-type]
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_directory_on_another_filesystem_fails_naming_both_and_keeps_the_commit(tmp_path, small_fs) -> None:
+    stage = str(tmp_path / "stage")
+    target = os.path.join(small_fs, "last.ckpt")
+    ck = fp.Checkpointer(stage, comm="local")
+    with pytest.raises(CheckpointWriteError, match="could not be moved into.*roots' filesystem"):
+        ck.save(1, _state(1), directory=target).wait()
+    assert os.listdir(small_fs) == []
+    # the checkpoint is committed under the roots all the same
+    assert fp.open(stage).load(1)["i"] == 1
+    ck.close()  # the failure was raised once, by the handle
+
+
+_CHILD = r"""
+import sys, torch, fastpersist as fp
+from fastpersist.faults import Fault, FaultyBackend
+stage, target, where = sys.argv[1:4]
+fault = {"move": Fault("rename", None, kill=True, path_contains=".fp-partial"),
+         "latest": Fault("write", None, kill=True, path_contains=".fp-partial")}[where]
+ck = fp.Checkpointer(stage, comm="local", backend=FaultyBackend([fault]))
+ck.save(5, {"w": torch.full((50_000,), 5.0), "i": 5}, directory=target).wait()
+"""
+
+
+@pytest.mark.parametrize("where", ["move", "latest"])
+def test_a_kill_while_publishing_leaves_the_previous_checkpoint(tmp_path, where: str) -> None:
+    """SIGKILL before the step directory moves, and after it moved into the partial directory
+    but before the exchange: the directory still holds the previous checkpoint, and the next
+    directory save cleans up and publishes."""
+    stage, target = str(tmp_path / "stage"), str(tmp_path / "last.ckpt")
+    with fp.Checkpointer(stage, comm="local") as ck:
+        ck.save(4, _state(4), directory=target).wait()
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, stage, target, where], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert fp.open(target).load()["i"] == 4
+    # killed before the move: step 5 is committed in the staging root; after: in the partial
+    staged = [c.step for c in fp.list_checkpoints(stage) if c.committed]
+    assert staged == ([5] if where == "move" else [])
+    assert os.path.isdir(os.path.join(target + PARTIAL_SUFFIX, "step-00000005")) == (where == "latest")
+    with fp.Checkpointer(stage, comm="local") as ck:
+        ck.save(6, _state(6), directory=target).wait()
+    assert fp.open(target).load()["i"] == 6
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "stage"]
+
+
+def test_recover_restores_a_directory_left_between_the_two_renames(tmp_path) -> None:
+    """Where a filesystem cannot exchange two names, the old directory is renamed aside
+    first; a crash before the new one takes its name leaves only the old one, which reads
+    of the directory put back."""
+    stage, target = str(tmp_path / "stage"), str(tmp_path / "last.ckpt")
+    with fp.Checkpointer(stage, comm="local") as ck:
+        ck.save(1, _state(1), directory=target).wait()
+    os.rename(target, target + OLD_SUFFIX)
+    assert fp.load_checkpoint(directory_checkpoint(target))["i"] == 1
+    assert os.path.isdir(target) and not os.path.exists(target + OLD_SUFFIX)
+    recover(target)  # nothing to do now
+    with pytest.raises(CheckpointNotFoundError, match="holds no committed"):
+        directory_checkpoint(str(tmp_path / "nothing"))
+
+
+def _local_comm_rank(rank: int, world: int, root: str) -> tuple[int, int | None]:
+    # Only rank 0 saves, through a Checkpointer of its own process: no collective, so the
+    # other rank is not needed (a gloo Checkpointer would wait for it)
+    if rank == 0:
+        with fp.Checkpointer(root, comm="local") as ck:
+            ck.save(3, _state(3)).wait()
+            return ck.comm.world_size, ck.latest_step()
+    return 0, None
+
+
+def test_comm_local_in_a_distributed_job_saves_alone(tmp_path) -> None:
+    root = str(tmp_path / "root")
+    assert run_ranks(tmp_path, 2, _local_comm_rank, root) == [(1, 3), (0, None)]
+    assert fp.open(root).load()["i"] == 3
+    with pytest.raises(ValueError, match='"local"'):
+        fp.Checkpointer(root, comm="gloo")

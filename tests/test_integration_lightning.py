@@ -5,11 +5,13 @@ with an uninterrupted run (ddp over gloo with 2 processes; one process under -m 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 
 import fastpersist as fp
+from fastpersist import catalog
 from integration_util import check_resumed, read_losses, require, run_child
 
 CHILD = "integration_lightning_child.py"
@@ -90,3 +92,36 @@ def test_single_process_kill_and_resume_is_exact(tmp_path) -> None:
     _check_file_format(str(ref_dir))
     killed, resumed = _kill_and_resume(str(run_dir), 1)
     check_resumed(reference, killed, resumed, KILL - 1, STEPS - 1)
+
+
+FSDP_CHILD = "integration_lightning_fsdp_child.py"
+FSDP_STEPS = 6
+FSDP_KILL = 3
+
+
+def test_fsdp2_kill_and_resume_is_exact_and_reshards(tmp_path) -> None:
+    """FastPersistModelParallelStrategy (FSDP2 over 2 gloo processes): every rank writes the
+    chunks of the DTensors it owns; a SIGKILL mid-write resumes exactly at 2 processes, and the
+    same checkpoint resumes at 1 process with the same weights (its first loss, on rank 0's
+    batch, equals the uninterrupted 2-process run's)."""
+    ref_dir, run_dir, one_dir = tmp_path / "ref", tmp_path / "run", tmp_path / "one"
+    for d in (ref_dir, run_dir, one_dir):
+        d.mkdir()
+    run_child(FSDP_CHILD, [str(ref_dir), str(FSDP_STEPS), "2", "0", "none"])
+    (reference,) = read_losses(str(ref_dir))
+    assert sorted(reference) == list(range(FSDP_STEPS))
+    run_child(FSDP_CHILD, [str(run_dir), str(FSDP_STEPS), "2", str(FSDP_KILL), "none"], killed=True)
+    last = str(run_dir / "ckpt" / "last.ckpt")
+    step_dir = _committed(last)
+    assert fp.load_checkpoint(step_dir, rank=0, weights_only=False)["global_step"] == FSDP_KILL - 1
+    manifest = catalog.read_manifest(step_dir)
+    assert {t.key.split(".")[0] for t in manifest.sharded} == {"state_dict", "optimizer_0"}
+    assert all(len(t.chunks) == 2 for t in manifest.sharded if t.key == "state_dict.net.0.weight")
+    saved = shutil.copytree(last, str(tmp_path / "saved.ckpt"))
+    run_child(FSDP_CHILD, [str(run_dir), str(FSDP_STEPS), "2", "0", last])
+    killed, resumed = read_losses(str(run_dir))
+    check_resumed(reference, killed, resumed, FSDP_KILL - 1, FSDP_STEPS - 1)
+    run_child(FSDP_CHILD, [str(one_dir), str(FSDP_STEPS), "1", "0", saved])
+    (one,) = read_losses(str(one_dir))
+    assert sorted(one) == list(range(FSDP_KILL - 1, FSDP_STEPS))
+    assert one[FSDP_KILL - 1] == reference[FSDP_KILL - 1]

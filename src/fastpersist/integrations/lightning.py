@@ -44,7 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from fastpersist import catalog
 from fastpersist.config import IOConfig
@@ -56,13 +56,21 @@ from fastpersist.publish import directory_checkpoint
 from fastpersist.single_file import load as load_file
 from fastpersist.single_file import save as save_file
 from fastpersist.view import load_checkpoint
+from fastpersist.view import open as open_view
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("file", "sharded")
-BULK = ("state_dict", "optimizer_states")  # the replicated state; the rest is rank 0's
+BULK = ("state_dict", "optimizer_states")  # the replicated (or sharded) state; the rest is rank 0's
 
-__all__ = ["AsyncFastPersistCheckpointIO", "FastPersistCheckpointIO", "FastPersistDDPStrategy"]
+
+def _bulk(key: str) -> bool:
+    """Whether a key of Lightning's checkpoint dict is model or optimizer state (``optimizer_<i>``:
+    one optimizer's sharded state, as :class:`FastPersistModelParallelStrategy` names it)."""
+    return key in BULK or (key.startswith("optimizer_") and key[len("optimizer_"):].isdigit())
+
+__all__ = ["AsyncFastPersistCheckpointIO", "FastPersistCheckpointIO", "FastPersistDDPStrategy",
+           "FastPersistModelParallelStrategy"]
 
 
 class FastPersistCheckpointIO(CheckpointIO):
@@ -125,8 +133,8 @@ class FastPersistCheckpointIO(CheckpointIO):
             return
         self._wait_for(path)  # the same name again: the earlier save is published first
         self._pending = {p: h for p, h in self._pending.items() if not h.done()}
-        bulk = {k: checkpoint[k] for k in BULK if k in checkpoint}
-        rest = {k: v for k, v in checkpoint.items() if k not in BULK}
+        bulk = {k: v for k, v in checkpoint.items() if _bulk(k)}
+        rest = {k: v for k, v in checkpoint.items() if not _bulk(k)}
         self._pending[path] = self._named.save(bulk, path, rest if rank0 else None)
         if self.mode == "sync":
             self._wait_for(path)
@@ -220,6 +228,81 @@ class FastPersistDDPStrategy(DDPStrategy):
             return
         io.collective = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         io.save_checkpoint(checkpoint, filepath, storage_options)
+
+
+class FastPersistModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 / tensor parallel over DTensors), with its
+    distributed checkpoints written and read by fastpersist instead of torch.distributed.checkpoint.
+
+    ``ModelParallelStrategy`` saves a sharded checkpoint through DCP on every rank; this subclass
+    saves the same state (the model's and optimizers' sharded state dicts, DTensors) through a
+    fastpersist sharded ``CheckpointIO`` on every rank: each rank writes the chunks it owns, and
+    the rest of Lightning's dict is rank 0's own state. Loading fills the model's and optimizers'
+    DTensors in place at any number of processes (resharding), as DCP does. A checkpoint that is
+    not a fastpersist directory (one written by ``ModelParallelStrategy``) is read by
+    ``ModelParallelStrategy``; ``save_distributed_checkpoint=False`` is ``ModelParallelStrategy``'s.
+
+    Args:
+        *args, **kwargs: ``ModelParallelStrategy``'s.
+        checkpoint_io: the fastpersist ``CheckpointIO`` (default :class:`AsyncFastPersistCheckpointIO`).
+    """
+
+    def __init__(self, *args: Any, checkpoint_io: FastPersistCheckpointIO | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fastpersist_io = checkpoint_io or AsyncFastPersistCheckpointIO()
+        if self.fastpersist_io.format != "sharded":
+            raise CheckpointError("FastPersistModelParallelStrategy needs the sharded format (a sharded checkpoint "
+                                  f"is a directory), got format={self.fastpersist_io.format!r}")
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        path = self.broadcast(os.path.abspath(os.fspath(filepath)))  # rank 0's name for everyone
+        self.fastpersist_io.collective = self.world_size > 1
+        # one entry per optimizer (as ModelParallelStrategy's DCP checkpoints): loads fill them in place
+        optimizers = checkpoint.pop("optimizer_states", [])
+        checkpoint.update({f"optimizer_{i}": state for i, state in enumerate(optimizers)})
+        self.fastpersist_io.save_checkpoint(checkpoint, path, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.fastpersist_io.remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        path = self.broadcast(os.path.abspath(os.fspath(checkpoint_path)))
+        self.fastpersist_io.wait()
+        try:
+            step_dir = directory_checkpoint(path)
+        except CheckpointError:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if self.model is None or self.lightning_module is None:
+            raise CheckpointError(f"loading {path}: the model is not set up by the strategy yet")
+        only = True if weights_only is None else weights_only
+        options = StateDictOptions(cpu_offload=True)
+        # templates: this process's DTensors at the current mesh (an optimizer not stepped yet
+        # gets its state initialised by get_optimizer_state_dict), filled in place
+        into = {"state_dict": get_model_state_dict(self.model, options=options),
+                **{f"optimizer_{i}": get_optimizer_state_dict(self.model, o, options=options)
+                   for i, o in enumerate(self.optimizers)}}
+        view = open_view(os.path.dirname(step_dir))
+        step = catalog.parse_step_dir(os.path.basename(step_dir))
+        loaded = view.load(step, into=into, weights_only=only)
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, loaded["state_dict"], options=StateDictOptions(strict=strict))
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, loaded[f"optimizer_{i}"], options=options)
+        return dict(view.load_rank_state(step, rank=0, weights_only=only))
+
+    def teardown(self) -> None:
+        try:
+            self.fastpersist_io.teardown()
+        finally:
+            super().teardown()
 
 
 def load_directory(path: str, map_location: Any = None, weights_only: bool = True) -> dict[str, Any]:

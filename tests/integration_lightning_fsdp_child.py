@@ -1,0 +1,81 @@
+"""A Lightning FSDP2 run (ModelParallelStrategy's mesh, fully_shard) for the integration tests.
+
+    python tests/integration_lightning_fsdp_child.py DIR STEPS DEVICES KILL_STEP RESUME
+
+Trains a tiny random-init model sharded with FSDP2 over DEVICES CPU processes (gloo) through
+``FastPersistModelParallelStrategy``, with a checkpoint every step
+(``ModelCheckpoint(every_n_train_steps=1, save_top_k=2, save_last=True)`` in DIR/ckpt). Rank 0
+appends "GLOBAL_STEP LOSS_HEX" to DIR/losses-<pid>.txt for every step (the loss of rank 0's
+batch). With KILL_STEP > 0 every rank's writer SIGKILLs its process on its second write request
+of the checkpoint of global step KILL_STEP. RESUME is a checkpoint path or "none". Batches are a
+function of (global step, rank).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from fastpersist.config import IOConfig
+from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistModelParallelStrategy
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+        self.out = out
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net[0], self.net[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+        x = torch.randn(32, 64, generator=g)
+        loss = nn.functional.mse_loss(self.net(x), x.flip(-1))
+        if self.global_rank == 0:
+            with open(self.out, "a") as f:
+                f.write(f"{self.global_step} {loss.item().hex()}\n")
+        return loss
+
+    def configure_optimizers(self) -> dict:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.zeros(10_000, 1), batch_size=1)
+
+
+def main() -> None:
+    d, steps, devices, kill_step, resume = sys.argv[1:6]
+    torch.manual_seed(0)
+    model = Tiny(os.path.join(d, f"losses-{os.getpid()}.txt"))
+    # ModelCheckpoint saves step=G.ckpt, then last.ckpt, at every global step G >= 1: the
+    # plugin's sequence number of step=G.ckpt is 2 * (G - 1)
+    seq = 2 * (int(kill_step) - 1)
+    faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{seq:08d}")] if int(kill_step) > 0 else []
+    io = AsyncFastPersistCheckpointIO(backend=FaultyBackend(faults), config=IOConfig(chunk_bytes=64 * 1024,
+                                                                                      num_buffers=2))
+    strategy = FastPersistModelParallelStrategy(data_parallel_size=int(devices), tensor_parallel_size=1,
+                                                checkpoint_io=io, process_group_backend="gloo")
+    ckpt = ModelCheckpoint(dirpath=os.path.join(d, "ckpt"), filename="{step}", every_n_train_steps=1,
+                           save_top_k=2, monitor="step", mode="max", save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy, max_steps=int(steps),
+                         callbacks=[ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    trainer.fit(model, ckpt_path=None if resume == "none" else resume)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,19 +19,16 @@ import sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fastpersist.config import IOConfig
 from fastpersist.faults import Fault, FaultyBackend
 from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistModelParallelStrategy
+from integration_lightning_child import Tiny
 
 
-class Tiny(pl.LightningModule):
-    def __init__(self, out: str) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
-        self.out = out
+class Sharded(Tiny):
+    """The ddp test's module, sharded with FSDP2 over the strategy's data-parallel mesh."""
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
@@ -39,28 +36,11 @@ class Tiny(pl.LightningModule):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
-        x = torch.randn(32, 64, generator=g)
-        loss = nn.functional.mse_loss(self.net(x), x.flip(-1))
-        if self.global_rank == 0:
-            with open(self.out, "a") as f:
-                f.write(f"{self.global_step} {loss.item().hex()}\n")
-        return loss
-
-    def configure_optimizers(self) -> dict:
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(torch.zeros(10_000, 1), batch_size=1)
-
 
 def main() -> None:
     d, steps, devices, kill_step, resume = sys.argv[1:6]
     torch.manual_seed(0)
-    model = Tiny(os.path.join(d, f"losses-{os.getpid()}.txt"))
+    model = Sharded(os.path.join(d, f"losses-{os.getpid()}.txt"))
     # ModelCheckpoint saves step=G.ckpt, then last.ckpt, at every global step G >= 1: the
     # plugin's sequence number of step=G.ckpt is 2 * (G - 1)
     seq = 2 * (int(kill_step) - 1)

@@ -4,12 +4,13 @@ checkpoint, resumed, and compared loss by loss with an uninterrupted run; FSDP i
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
 
 import fastpersist as fp
-from integration_util import check_resumed, read_losses, require, run_child
+from integration_util import check_resumed, read_losses, require, run_child, run_job
 
 CHILD = "integration_accelerate_child.py"
 STEPS = 8
@@ -36,6 +37,22 @@ def test_kill_and_resume_is_exact(tmp_path) -> None:
     state = fp.load_checkpoint(str(run_dir / "ckpt" / f"step-{STEPS - 1:08d}"))
     assert {"model_0", "optimizer_0", "scheduler_0", "custom_0", "step"} <= set(state)
     assert state["custom_0"] == {"seen": STEPS}
+
+
+def test_two_processes_kill_and_resume_is_exact(tmp_path) -> None:
+    """Launched like torchrun (MULTI_CPU, gloo): every process writes its share of the
+    replicated state and its own RNG state; killed mid-write, resumed exactly."""
+    run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
+    run_dir.mkdir(), ref_dir.mkdir()
+    run_job(CHILD, [str(run_dir), str(KILL)], 2, str(tmp_path), killed=True)
+    assert {c.step for c in fp.list_checkpoints(str(run_dir / "ckpt")) if c.committed} == {KILL - 2, KILL - 1}
+    run_job(CHILD, [str(run_dir), "0", str(ref_dir)], 2, str(tmp_path))
+    (reference,) = read_losses(str(ref_dir))
+    killed, resumed = read_losses(str(run_dir))
+    check_resumed(reference, killed, resumed, KILL, STEPS - 1)
+    step_dir = str(run_dir / "ckpt" / f"step-{STEPS - 1:08d}")
+    assert len([f for f in os.listdir(step_dir) if "-replicated-" in f and f.endswith(".bin")]) == 2
+    assert all("torch" in fp.load_checkpoint(step_dir, rank=r, weights_only=False)["rng"] for r in range(2))
 
 
 def test_fsdp_is_refused_before_anything_is_written(tmp_path) -> None:

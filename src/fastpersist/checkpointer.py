@@ -28,7 +28,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ import torch
 from fastpersist import dtensor
 from fastpersist.config import IOConfig, get_config
 from fastpersist.coordinator import Coordinator
-from fastpersist.dist import Comm, LocalComm, agree, default_comm, host_name, writer_ranks
+from fastpersist.dist import Comm, LocalComm, default_comm, host_name, writer_ranks
 from fastpersist.driver import SaveDriver
 from fastpersist.durable.drain import Drainer
 from fastpersist.durable.store import DirStore, Store, open_store
@@ -47,13 +47,13 @@ from fastpersist.io.backend import FileBackend
 from fastpersist.job import SaveJob
 from fastpersist.nodes import Nodes, check_redundancy, node_id
 from fastpersist.protocol import SaveProtocol
-from fastpersist.publish import check_directory_save, publish_step
+from fastpersist.publish import check_directory_save, publish_everywhere
 from fastpersist.rank_writer import RankWriter
 from fastpersist.roots import check_roots
 from fastpersist.stage import OverlapGuard, Stager
 from fastpersist.state import to_saveable
 from fastpersist.timeline import Retention
-from fastpersist.reading import Reads
+from fastpersist.reading import ReadMethods, Reads
 from fastpersist.view import CheckpointInfo, CheckpointView, Roots, list_checkpoints, load_checkpoint, root_list
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ __all__ = ["CheckpointInfo", "Checkpointer", "list_checkpoints", "load_checkpoin
 MODES = ("sync", "snapshot", "overlap")
 
 
-class Checkpointer:
+class Checkpointer(ReadMethods):
     """Save and load sharded checkpoints under one or more roots (one per SSD).
 
     Every rank of a job constructs the Checkpointer with the same arguments (it creates its
@@ -243,11 +243,8 @@ class Checkpointer:
             rank_state: what differs per rank (its optimizer shard, its RNG state), written
                 by that rank alone.
             metadata: a JSON object stored in the manifest (see :meth:`metadata`).
-            directory: save the checkpoint into this directory instead of keeping it under the
-                roots (:mod:`fastpersist.publish`): once committed, it is moved there and
-                atomically replaces what the directory held; the handle completes then. The
-                directory is a one-checkpoint root (``fastpersist.open(directory)`` reads it).
-                Needs one root, on the directory's filesystem, one node, no durable tier.
+            directory: once committed, move the checkpoint into this directory, atomically
+                replacing what it held, before the handle completes (see :mod:`fastpersist.publish`).
 
         Returns:
             A :class:`SaveHandle`: a future of the commit; ``handle.staged`` is the moment
@@ -303,15 +300,8 @@ class Checkpointer:
         """The save protocol for one job (in the driver's worker)."""
         self._protocol.run(job)
         if job.directory is not None:
-            directory, root = job.directory, self.roots[0]
-            agree(self.comm, f"publishing checkpoint step {job.step} as {directory}",
-                  lambda: self._publish(job.step, root, directory) if self.rank == 0 else None)
+            publish_everywhere(self.comm, job.step, self.roots[0], job.directory, self.backend, self._coordinator)
         job.metrics.total_s = time.perf_counter() - job.started
-
-    def _publish(self, step: int, root: str, directory: str) -> None:
-        self._coordinator.janitor.drain()  # no deletion of the roots' old steps races the move
-        publish_step(root, step, directory, self.backend)
-        self._coordinator.release(step)
 
     def _finished(self, job: SaveJob, error: BaseException | None) -> None:
         self._stager.release(job)
@@ -347,42 +337,11 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -----------------------------------------------------------------------------------------
-    # load: through the roots, then the durable tier (:mod:`fastpersist.reading`); on several
-    # nodes every load is collective (the restore protocol, :mod:`fastpersist.peers`)
-
-    def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
-             keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
-             verify: bool | None = None) -> Any:
-        """Load a checkpoint's state (sharded tensors resharded into ``into``'s DTensors); see
-        :meth:`CheckpointView.load`. A step the local roots lack (new machines, lost disks) is
-        read from the durable tier, if there is one; ``"latest"`` is the most recent commit
-        of either. On several nodes this is collective: every rank calls it, and the bytes a
-        node lacks come from the nodes that hold them."""
-        return self._reads.load(step, into, keys, map_location, weights_only, verify)
-
-    def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
-                        rank: int | None = None, map_location: Any = None, weights_only: bool = True,
-                        verify: bool | None = None) -> Any:
-        """Load the ``rank_state`` that ``rank`` (default: this rank) saved (collective on
-        several nodes)."""
-        return self._reads.load_rank_state(step, into, rank, map_location, weights_only, verify)
-
-    def metadata(self, step: int | str = "latest") -> dict[str, Any]:
-        """The ``metadata`` saved with ``step`` (collective on several nodes)."""
-        return self._reads.metadata(step)
-
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every checkpoint in the first root (on several nodes: this node's), committed or
         not, by step (after the deletions retention has started)."""
         self._coordinator.janitor.drain()
         return self._view.list()
-
-    def latest_step(self) -> int | None:
-        """The most recently committed step (not necessarily the largest) of the local roots
-        or the durable tier, or None. On several nodes (collective): the most recent commit
-        complete on the job's nodes, else the durable tier's."""
-        return self._reads.latest_step()
 
 
 def _new_job(step: int, state: Any, rank_state: Any, meta: Mapping[str, Any] | None, completion: Completion,

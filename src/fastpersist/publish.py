@@ -36,10 +36,16 @@ import logging
 import os
 import shutil
 
+from typing import TYPE_CHECKING
+
 from fastpersist import catalog
+from fastpersist.dist import Comm, agree
 from fastpersist.errors import CheckpointNotFoundError, CheckpointWriteError
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.files import fsync_dir
+
+if TYPE_CHECKING:
+    from fastpersist.coordinator import Coordinator
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +69,20 @@ def check_directory_save(directory: object, roots: int, nodes: int, durable: boo
         raise ValueError(f"save(directory={path!r}): {why}; save into a directory with one root, on one node "
                          "(or roots every node shares), without durable=")
     return path
+
+
+def publish_everywhere(comm: Comm, step: int, root: str, directory: str, backend: FileBackend,
+                       coordinator: Coordinator) -> None:
+    """After the commit of ``step``, in the save's job on every rank: rank 0 publishes it as
+    ``directory``; every rank raises if that failed."""
+    def publish() -> None:
+        if comm.rank != 0:
+            return
+        coordinator.janitor.drain()  # no deletion of the roots' old steps races the move
+        publish_step(root, step, directory, backend)
+        coordinator.release(step)
+
+    agree(comm, f"publishing checkpoint step {step} as {directory}", publish)
 
 
 def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> None:

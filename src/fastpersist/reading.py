@@ -116,3 +116,38 @@ class Reads:
         if chosen is not None and (durable is None or chosen.manifest.sequence > durable[1]):
             return chosen.manifest.step
         return durable[0] if durable is not None else None
+
+
+class ReadMethods:
+    """The Checkpointer's loads: through the roots, then the durable tier; on several nodes
+    every load is collective (the restore protocol, :mod:`fastpersist.peers`). A mixin over
+    the Checkpointer's :class:`Reads`."""
+
+    _reads: Reads
+
+    def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
+             keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
+             verify: bool | None = None) -> Any:
+        """Load a checkpoint's state (sharded tensors resharded into ``into``'s DTensors); see
+        :meth:`CheckpointView.load`. A step the local roots lack (new machines, lost disks) is
+        read from the durable tier, if there is one; ``"latest"`` is the most recent commit
+        of either. On several nodes this is collective: every rank calls it, and the bytes a
+        node lacks come from the nodes that hold them."""
+        return self._reads.load(step, into, keys, map_location, weights_only, verify)
+
+    def load_rank_state(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
+                        rank: int | None = None, map_location: Any = None, weights_only: bool = True,
+                        verify: bool | None = None) -> Any:
+        """Load the ``rank_state`` that ``rank`` (default: this rank) saved (collective on
+        several nodes)."""
+        return self._reads.load_rank_state(step, into, rank, map_location, weights_only, verify)
+
+    def metadata(self, step: int | str = "latest") -> dict[str, Any]:
+        """The ``metadata`` saved with ``step`` (collective on several nodes)."""
+        return self._reads.metadata(step)
+
+    def latest_step(self) -> int | None:
+        """The most recently committed step (not necessarily the largest) of the local roots
+        or the durable tier, or None. On several nodes (collective): the most recent commit
+        complete on the job's nodes, else the durable tier's."""
+        return self._reads.latest_step()

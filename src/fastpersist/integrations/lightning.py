@@ -277,7 +277,7 @@ class FastPersistModelParallelStrategy(ModelParallelStrategy):
         path = self.broadcast(os.path.abspath(os.fspath(checkpoint_path)))
         self.fastpersist_io.wait()
         try:
-            step_dir = directory_checkpoint(path)
+            directory_checkpoint(path)  # (a publish a crash left half done is undone first)
         except CheckpointError:
             return super().load_checkpoint(checkpoint_path, weights_only)
         if self.model is None or self.lightning_module is None:
@@ -289,14 +289,13 @@ class FastPersistModelParallelStrategy(ModelParallelStrategy):
         into = {"state_dict": get_model_state_dict(self.model, options=options),
                 **{f"optimizer_{i}": get_optimizer_state_dict(self.model, o, options=options)
                    for i, o in enumerate(self.optimizers)}}
-        view = open_view(os.path.dirname(step_dir))
-        step = catalog.parse_step_dir(os.path.basename(step_dir))
-        loaded = view.load(step, into=into, weights_only=only)
+        view = open_view(path)  # a published checkpoint: the directory's one commit is its latest
+        loaded = view.load("latest", into=into, weights_only=only)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, loaded["state_dict"], options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, loaded[f"optimizer_{i}"], options=options)
-        return dict(view.load_rank_state(step, rank=0, weights_only=only))
+        return dict(view.load_rank_state("latest", rank=0, weights_only=only))
 
     def teardown(self) -> None:
         try:

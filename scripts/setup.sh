@@ -32,6 +32,11 @@ CONSTRAINT=$(mktemp)
 trap 'rm -f "$CONSTRAINT"' EXIT
 "$VPY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$CONSTRAINT"
 "${PIP[@]}" -c "$CONSTRAINT" -e ".[test,bench,integrations,plot]"
+# torchtitan (its integration and test): without its declared dependencies (datasets, wandb,
+# tensorboard, tokenizers...: its data and logging, which the checkpoint manager never imports;
+# the datasets pin would also downgrade fsspec), plus the two its config and checkpoint code import.
+"${PIP[@]}" -c "$CONSTRAINT" "tyro==1.0.17" "spmd_types==0.2.3"
+"${PIP[@]}" -c "$CONSTRAINT" --no-deps "torchtitan==0.3.0"
 # fio measures the device's own limit in the benchmark (optional: a raw O_DIRECT probe stands in).
 if ! command -v fio >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio) >/dev/null 2>&1 \

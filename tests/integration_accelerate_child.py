@@ -20,8 +20,9 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch import nn
 
 from fastpersist.config import IOConfig
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.accelerate import AcceleratorCheckpointer
+from integration_util import kill_faults
 
 STEPS = 8
 
@@ -39,7 +40,7 @@ class Counter:
         self.seen = int(state["seen"])
 
 
-def run(d: str, kill_step: int) -> None:
+def run(d: str, kill: str) -> None:
     set_seed(0)
     # a seedable sampler draws its order from (seed, epoch), not from the global RNG (as accelerate
     # itself needs for an exact resume of a shuffled loader)
@@ -53,7 +54,7 @@ def run(d: str, kill_step: int) -> None:
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
-    faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{kill_step:08d}")] if kill_step > 0 else []
+    faults = kill_faults(kill, f"step-{int(kill.split(':')[0]):08d}")
     ckpt = AcceleratorCheckpointer(accelerator, os.path.join(d, "ckpt"), keep=2, backend=FaultyBackend(faults),
                                    config=IOConfig(chunk_bytes=64 * 1024, num_buffers=2))
     latest = ckpt.latest_step()
@@ -82,9 +83,9 @@ def run(d: str, kill_step: int) -> None:
 
 
 def main() -> None:
-    run(sys.argv[1], int(sys.argv[2]))
+    run(sys.argv[1], sys.argv[2])
     if len(sys.argv) > 3:
-        run(sys.argv[3], 0)
+        run(sys.argv[3], "0")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from fastpersist.config import IOConfig
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistCheckpointIO, FastPersistDDPStrategy
+from integration_util import kill_faults
 
 
 class Tiny(pl.LightningModule):
@@ -52,13 +53,13 @@ class Tiny(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.zeros(10_000, 1), batch_size=1)
 
 
-def checkpoint_io(kind: str, kill_step: int) -> FastPersistCheckpointIO:
+def checkpoint_io(kind: str, kill: str) -> FastPersistCheckpointIO:
     if kind == "file":
         return FastPersistCheckpointIO("file")
     # The plugin stages checkpoints under sequence numbers; ModelCheckpoint saves step=G.ckpt, then
     # last.ckpt, at every global step G >= 1: step=G.ckpt is sequence number 2 * (G - 1).
-    seq = 2 * (kill_step - 1)
-    faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{seq:08d}")] if kill_step > 0 else []
+    seq = 2 * (int(kill.split(":")[0]) - 1)
+    faults = kill_faults(kill, f"step-{seq:08d}")
     kwargs = {"backend": FaultyBackend(faults), "config": IOConfig(chunk_bytes=64 * 1024, num_buffers=2)}
     if kind == "async":
         return AsyncFastPersistCheckpointIO(**kwargs)
@@ -71,7 +72,7 @@ def main() -> None:
     model = Tiny(os.path.join(d, f"losses-{os.getpid()}.txt"))
     ckpt = ModelCheckpoint(dirpath=os.path.join(d, "ckpt"), filename="{step}", every_n_train_steps=1,
                            save_top_k=2, monitor="step", mode="max", save_last=True)
-    io = checkpoint_io(kind, int(kill_step))
+    io = checkpoint_io(kind, kill_step)
     strategy: object = "auto"
     if int(devices) > 1:
         strategy = "ddp" if kind == "file" else FastPersistDDPStrategy(checkpoint_io=io, process_group_backend="gloo")

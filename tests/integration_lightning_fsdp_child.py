@@ -22,9 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.fsdp import fully_shard
 
 from fastpersist.config import IOConfig
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistModelParallelStrategy
 from integration_lightning_child import Tiny
+from integration_util import kill_faults
 
 
 class Sharded(Tiny):
@@ -43,8 +44,8 @@ def main() -> None:
     model = Sharded(os.path.join(d, f"losses-{os.getpid()}.txt"))
     # ModelCheckpoint saves step=G.ckpt, then last.ckpt, at every global step G >= 1: the
     # plugin's sequence number of step=G.ckpt is 2 * (G - 1)
-    seq = 2 * (int(kill_step) - 1)
-    faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{seq:08d}")] if int(kill_step) > 0 else []
+    seq = 2 * (int(kill_step.split(":")[0]) - 1)
+    faults = kill_faults(kill_step, f"step-{seq:08d}")
     io = AsyncFastPersistCheckpointIO(backend=FaultyBackend(faults), config=IOConfig(chunk_bytes=64 * 1024,
                                                                                       num_buffers=2))
     strategy = FastPersistModelParallelStrategy(data_parallel_size=int(devices), tensor_parallel_size=1,

@@ -27,8 +27,9 @@ from torch.distributed.fsdp import fully_shard
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
 from fastpersist.config import configure
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.torchtitan import FastPersistCheckpointManager
+from integration_util import kill_faults
 
 
 class TrainState(Stateful):
@@ -43,7 +44,7 @@ class TrainState(Stateful):
 
 
 def main() -> None:
-    d, steps, kill_step, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    d, steps, kill, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     configure(chunk_bytes=64 * 1024, num_buffers=2)
@@ -63,9 +64,7 @@ def main() -> None:
     checkpointer = config.build(dataloader=None, model_parts=[model], optimizers=optimizers,
                                 lr_schedulers=schedulers, states={"train_state": train_state}, sd_adapter=None,
                                 base_folder=d)
-    if kill_step > 0:
-        checkpointer.backend = FaultyBackend([Fault("write", None, at=2, kill=True,
-                                                    path_contains=f"step-{kill_step}{os.sep}")])
+    checkpointer.backend = FaultyBackend(kill_faults(kill, f"step-{kill.split(':')[0]}{os.sep}"))
     checkpointer.load()  # the latest step-N, if any (torchtitan's own lookup)
     out = os.path.join(d, f"losses-{os.getpid()}.txt")
     for step in range(train_state.step + 1, steps + 1):

@@ -20,8 +20,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from fastpersist.config import IOConfig
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.transformers import FastPersistTrainer
+from integration_util import kill_faults
 
 STEPS = 8
 
@@ -42,7 +43,7 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
-def run(d: str, kill_step: int, resume: bool) -> None:
+def run(d: str, kill: str, resume: bool) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2))
     args = TrainingArguments(output_dir=d, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-3,
@@ -50,7 +51,7 @@ def run(d: str, kill_step: int, resume: bool) -> None:
                              save_total_limit=2, report_to=[], use_cpu=True, disable_tqdm=True, seed=42,
                              dataloader_num_workers=0,
                              ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
-    faults = [Fault("write", None, at=2, kill=True, path_contains=f"step-{kill_step:08d}")] if kill_step > 0 else []
+    faults = kill_faults(kill, f"step-{int(kill.split(':')[0]):08d}")
     trainer = FastPersistTrainer(model=model, args=args, train_dataset=dataset(),
                                  callbacks=[LossLog(os.path.join(d, f"losses-{os.getpid()}.txt"))],
                                  fastpersist_kwargs={"backend": FaultyBackend(faults),
@@ -59,10 +60,10 @@ def run(d: str, kill_step: int, resume: bool) -> None:
 
 
 def main() -> None:
-    d, kill_step, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-    run(d, kill_step, resume)
+    d, kill, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    run(d, kill, resume)
     if len(sys.argv) > 4:
-        run(sys.argv[4], 0, False)
+        run(sys.argv[4], "0", False)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ def run_job(script: str, args: list[str], world: int, directory: str, *, killed:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONHASHSEED="0",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", WORLD_SIZE=str(world),
-               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+               LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GROUP_RANK="0",
+               TORCHELASTIC_RUN_ID=f"fastpersist-test-{port}")
     procs, logs = [], []
     for rank in range(world):
         log = open(os.path.join(directory, f"rank-{rank}.log"), "w")
@@ -120,3 +121,26 @@ def run_job(script: str, args: list[str], world: int, directory: str, *, killed:
                 outputs.append(f"--- rank {rank} ---\n{f.read()[-3000:]}")
         raise AssertionError(f"{script} {args} on {world} ranks exited with {own} (then {codes})"
                              f"{' (expected a SIGKILL)' if killed else ''}:\n" + "\n".join(outputs))
+
+
+def random_kill(step: int, world: int) -> str:
+    """A kill at a random instant of step ``step``'s checkpoint write: a random rank, at a random
+    one of its first write requests (the children's :func:`kill_faults` spec; the choice is in
+    the spec, so a failure names it)."""
+    import random
+
+    rng = random.Random()
+    return f"{step}:{rng.randrange(world)}:{rng.randint(1, 2)}"
+
+
+def kill_faults(spec: str, path_contains: str) -> list:
+    """The children's faults for a kill spec: "0" none; "K" every rank at its second write
+    request of the checkpoint whose files' paths contain ``path_contains``; "K:R:N" rank R
+    alone, at its N-th write request."""
+    from fastpersist.faults import Fault
+
+    parts = [int(p) for p in spec.split(":")]
+    if parts[0] <= 0:
+        return []
+    rank, at = (parts[1], parts[2]) if len(parts) == 3 else (None, 2)
+    return [Fault("write", None, at=at, kill=True, rank=rank, path_contains=path_contains)]

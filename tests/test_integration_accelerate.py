@@ -10,7 +10,7 @@ import types
 import pytest
 
 import fastpersist as fp
-from integration_util import check_resumed, read_losses, require, run_child, run_job
+from integration_util import check_resumed, random_kill, read_losses, require, run_child, run_job
 
 CHILD = "integration_accelerate_child.py"
 STEPS = 8
@@ -44,7 +44,7 @@ def test_two_processes_kill_and_resume_is_exact(tmp_path) -> None:
     replicated state and its own RNG state; killed mid-write, resumed exactly."""
     run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
     run_dir.mkdir(), ref_dir.mkdir()
-    run_job(CHILD, [str(run_dir), str(KILL)], 2, str(tmp_path), killed=True)
+    run_job(CHILD, [str(run_dir), random_kill(KILL, 2)], 2, str(tmp_path), killed=True)
     assert {c.step for c in fp.list_checkpoints(str(run_dir / "ckpt")) if c.committed} == {KILL - 2, KILL - 1}
     run_job(CHILD, [str(run_dir), "0", str(ref_dir)], 2, str(tmp_path))
     (reference,) = read_losses(str(ref_dir))

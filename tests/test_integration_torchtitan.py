@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from integration_util import check_resumed, read_losses, require, run_job
+from integration_util import check_resumed, random_kill, read_losses, require, run_job
 
 CHILD = "integration_torchtitan_child.py"
 STEPS = 7
@@ -25,7 +25,7 @@ def test_fsdp2_async_kill_and_resume_is_exact_and_reshards(tmp_path) -> None:
     run_job(CHILD, [str(ref_dir), str(STEPS), "0", "async"], 2, str(tmp_path))
     (reference,) = read_losses(str(ref_dir))
     assert sorted(reference) == list(range(1, STEPS + 1))
-    run_job(CHILD, [str(run_dir), str(STEPS), str(KILL), "async"], 2, str(tmp_path), killed=True)
+    run_job(CHILD, [str(run_dir), str(STEPS), random_kill(KILL, 2), "async"], 2, str(tmp_path), killed=True)
     ckpt = run_dir / "ckpt"
     # killed mid-write: step-KILL has data files but no committed metadata, so torchtitan's own
     # lookup resumes from the step before it; every rank wrote its own share of that one

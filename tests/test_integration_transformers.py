@@ -9,7 +9,7 @@ import os
 import fastpersist as fp
 import pytest
 
-from integration_util import check_resumed, read_losses, require, run_child, run_job
+from integration_util import check_resumed, random_kill, read_losses, require, run_child, run_job
 
 CHILD = "integration_transformers_child.py"
 STEPS = 8
@@ -46,7 +46,7 @@ def _ddp_kill_and_resume(tmp_path, world: int) -> None:
     run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
     run_dir.mkdir(), ref_dir.mkdir()
     root = str(run_dir / "fastpersist")
-    run_job(CHILD, [str(run_dir), str(KILL), "0"], world, str(tmp_path), killed=True)
+    run_job(CHILD, [str(run_dir), random_kill(KILL, world), "0"], world, str(tmp_path), killed=True)
     assert {c.step for c in fp.list_checkpoints(root) if c.committed} == {KILL - 2, KILL - 1}
     run_job(CHILD, [str(run_dir), "0", "1", str(ref_dir)], world, str(tmp_path))
     (reference,) = read_losses(str(ref_dir))

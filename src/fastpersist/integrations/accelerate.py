@@ -32,9 +32,10 @@ them: accelerate has no public accessor for them, so this module reads them in o
 hooks belong to accelerate's own file layout (they receive its output directory) and are not
 called.
 
-Not supported yet (a clear error): FSDP, DeepSpeed and Megatron-LM, whose state is sharded over
-processes: the Checkpointer saves DTensor state, but this adapter does not hand it sharded
-state yet.
+Not supported (a clear error): FSDP, DeepSpeed and Megatron-LM, whose state is sharded over
+processes. accelerate turns them on only for accelerator processes (never for CPU processes),
+so this adapter's sharded path could not be tested here, and is refused rather than shipped
+untested (see docs/INTEGRATIONS.md).
 """
 
 from __future__ import annotations
@@ -185,5 +186,5 @@ def _check_supported(accelerator: Accelerator) -> None:
     if any(kind == getattr(DistributedType, name, None) for name in _SHARDED):
         raise CheckpointError(
             f"fastpersist cannot checkpoint an Accelerator with distributed_type={kind}: its model and optimizer "
-            "state is sharded over processes, and this adapter does not yet hand sharded state to the Checkpointer "
-            "(use accelerator.save_state for now)")
+            "state is sharded over processes, and accelerate runs it only on accelerators, where this adapter's "
+            "sharded path has not been tested (use accelerator.save_state for it)")

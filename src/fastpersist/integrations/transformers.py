@@ -28,7 +28,8 @@ logic itself (``trainer_state.json`` in the directory it is given) is used as is
 temporary directory holding only that file.
 
 Not supported (a clear error): ``load_best_model_at_end`` and ``save_strategy="best"`` (they
-need the Trainer's checkpoint directories), DeepSpeed and FSDP (sharded state, not yet).
+need the Trainer's checkpoint directories), DeepSpeed and FSDP (sharded state on accelerators
+only, untested here: see docs/INTEGRATIONS.md).
 """
 
 from __future__ import annotations
@@ -251,7 +252,10 @@ def _check_supported(trainer: Trainer) -> None:
         raise CheckpointError("FastPersistTrainer does not support load_best_model_at_end or save_strategy='best' "
                               "(they rely on the Trainer's checkpoint directories); use the plain Trainer for them")
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-        raise CheckpointError("FastPersistTrainer does not support DeepSpeed or FSDP yet: their state is sharded "
-                              "over ranks, and this adapter does not yet hand sharded state to the Checkpointer")
+        raise CheckpointError(
+            "FastPersistTrainer does not support DeepSpeed or FSDP: their state is sharded over ranks, and the "
+            "Trainer runs them only on accelerators (accelerate enables FSDP for GPU-like devices, never on CPU "
+            "processes), where this adapter's sharded path has not been tested; use the plain Trainer for them, or "
+            "Lightning's FastPersistModelParallelStrategy / torchtitan's FastPersistCheckpointManager for FSDP2")
     if args.push_to_hub:
         raise CheckpointError("FastPersistTrainer does not push checkpoints to the Hub (push_to_hub=True)")

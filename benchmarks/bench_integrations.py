@@ -241,7 +241,11 @@ def run_once(name: str, config: str, d: str, steps: int, every: int) -> dict[str
     procs = [subprocess.Popen([sys.executable, __file__, "--child", name, config, d, str(steps), str(every), out],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for r in range(devices)]
-    errors = [p.communicate()[1] for p in procs]
+    try:
+        errors = [p.communicate(timeout=1800)[1] for p in procs]
+    finally:  # a rank that failed leaves the other waiting in a collective
+        for p in procs:
+            p.kill()
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError(f"{name} {config}: a rank failed:\n" + "\n".join(e[-2000:] for e in errors))
     with open(out) as f:

@@ -45,7 +45,8 @@ def run(d: str, kill: str) -> None:
     # a seedable sampler draws its order from (seed, epoch), not from the global RNG (as accelerate
     # itself needs for an exact resume of a shuffled loader)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 32))
+    # BatchNorm: buffers each ddp process updates from its own batch (not replicated)
+    model = nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     g = torch.Generator().manual_seed(3)

@@ -32,7 +32,8 @@ from integration_util import kill_faults
 class Tiny(pl.LightningModule):
     def __init__(self, out: str) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+        # BatchNorm: buffers each ddp rank updates from its own batch (not replicated)
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Tanh(), nn.Linear(256, 64))
         self.out = out
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ class Sharded(Tiny):
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
-        for layer in (self.net[0], self.net[2]):
+        for layer in (self.net[0], self.net[3]):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
 

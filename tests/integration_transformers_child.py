@@ -48,11 +48,12 @@ def run(d: str, kill: str, resume: bool) -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2))
     args = TrainingArguments(output_dir=d, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-3,
                              lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, save_steps=1,
+                             eval_strategy="steps", eval_steps=3,
                              save_total_limit=2, report_to=[], use_cpu=True, disable_tqdm=True, seed=42,
                              dataloader_num_workers=0,
                              ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     faults = kill_faults(kill, f"step-{int(kill.split(':')[0]):08d}")
-    trainer = FastPersistTrainer(model=model, args=args, train_dataset=dataset(),
+    trainer = FastPersistTrainer(model=model, args=args, train_dataset=dataset(), eval_dataset=dataset()[:8],
                                  callbacks=[LossLog(os.path.join(d, f"losses-{os.getpid()}.txt"))],
                                  fastpersist_kwargs={"backend": FaultyBackend(faults),
                                                      "config": IOConfig(chunk_bytes=64 * 1024, num_buffers=2)})

@@ -130,7 +130,9 @@ def random_kill(step: int, world: int) -> str:
     import random
 
     rng = random.Random()
-    return f"{step}:{rng.randrange(world)}:{rng.randint(1, 2)}"
+    spec = f"{step}:{rng.randrange(world)}:{rng.randint(1, 2)}"
+    print(f"kill spec {spec}")  # in the test's captured output: a failure can be replayed with it
+    return spec
 
 
 def kill_faults(spec: str, path_contains: str) -> list:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from helpers import assert_state_equal, fsdp_mlp, gathered, run_ranks, small_mlp
 
-from fastpersist.dcp import Reader, Writer
+import fastpersist as fp
+from fastpersist.dcp import Reader, Writer, written_by_fastpersist
 
 
 def _save(rank: int, world: int, roots: list[str], asynchronous: bool) -> dict:
@@ -116,6 +117,19 @@ def test_missing_file_and_other_shape(tmp_path):
                 os.unlink(os.path.join(r, n))
     with pytest.raises(BaseException, match="CorruptCheckpointError.*missing"):
         dcp.load({"w": torch.zeros(1000, 33)}, storage_reader=Reader(roots))
+
+
+def test_a_checkpoint_of_dcps_own_writer_is_told_apart(tmp_path):
+    """What lets an integration (torchtitan's) read DCP's own checkpoints with DCP's reader."""
+    roots, _ = _plain_checkpoint(tmp_path)
+    assert written_by_fastpersist(roots[0])
+    plain = str(tmp_path / "plain")
+    dcp.save({"w": torch.ones(10)}, storage_writer=dcp.FileSystemWriter(plain))
+    assert not written_by_fastpersist(plain)
+    with pytest.raises(BaseException, match="refusing"):  # never unpickled by fastpersist's reader
+        dcp.load({"w": torch.zeros(10)}, storage_reader=Reader(plain))
+    with pytest.raises(fp.CheckpointNotFoundError):
+        written_by_fastpersist(str(tmp_path))
 
 
 def test_metadata_that_runs_code_is_refused(tmp_path):

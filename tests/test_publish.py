@@ -7,6 +7,7 @@ filesystem (tmpfs) for the cross-filesystem refusal, real gloo ranks for ``comm=
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 import fastpersist as fp
 from fastpersist.errors import CheckpointNotFoundError, CheckpointWriteError
-from fastpersist.publish import OLD_SUFFIX, PARTIAL_SUFFIX, directory_checkpoint, recover
+from fastpersist.publish import OLD_SUFFIX, PARTIAL_SUFFIX, directory_checkpoint, sweep
 from helpers import run_ranks
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -44,6 +45,18 @@ def test_directory_save_replaces_the_directory_with_the_new_checkpoint(tmp_path)
         assert ck.latest_step() == 7
     assert fp.load_checkpoint(directory_checkpoint(target))["i"] == 2
     assert fp.open(target).verify() == []
+
+
+def test_retention_does_not_count_directory_saves(tmp_path) -> None:
+    """keep=2 keeps the last two checkpoints under the roots; one moved into a directory is
+    not one of them (it would evict a plain checkpoint and leave one)."""
+    with fp.Checkpointer(str(tmp_path / "root"), comm="local", keep=2) as ck:
+        ck.save(1, _state(1)).wait()
+        ck.save(2, _state(2)).wait()
+        ck.save(3, _state(3), directory=str(tmp_path / "x")).wait()
+        assert [c.step for c in ck.list() if c.committed] == [1, 2]
+        ck.save(4, _state(4)).wait()
+        assert [c.step for c in ck.list() if c.committed] == [2, 4]
 
 
 def test_directory_save_is_refused_where_the_checkpoint_is_not_one_directory(tmp_path) -> None:
@@ -75,47 +88,63 @@ _CHILD = r"""
 import sys, torch, fastpersist as fp
 from fastpersist.faults import Fault, FaultyBackend
 stage, target, where = sys.argv[1:4]
+# the renames of a publish whose paths hold the target's name: the step directory into the
+# partial, its `latest`, then (without exchange) the old directory aside, the partial in place
 fault = {"move": Fault("rename", None, kill=True, path_contains=".fp-partial"),
-         "latest": Fault("write", None, kill=True, path_contains=".fp-partial")}[where]
+         "latest": Fault("write", None, kill=True, path_contains=".fp-partial"),
+         "between-renames": Fault("rename", None, kill=True, at=4, path_contains="last.ckpt")}[where]
 ck = fp.Checkpointer(stage, comm="local", backend=FaultyBackend([fault]))
 ck.save(5, {"w": torch.full((50_000,), 5.0), "i": 5}, directory=target).wait()
 """
 
 
-@pytest.mark.parametrize("where", ["move", "latest"])
+@pytest.mark.parametrize("where", ["move", "latest", "between-renames"])
 def test_a_kill_while_publishing_leaves_the_previous_checkpoint(tmp_path, where: str) -> None:
-    """SIGKILL before the step directory moves, and after it moved into the partial directory
-    but before the exchange: the directory still holds the previous checkpoint, and the next
-    directory save cleans up and publishes."""
+    """SIGKILL before the step directory moves, after it moved into the partial directory, and
+    (on the path without RENAME_EXCHANGE) between the old directory's rename aside and the new
+    one's into place: the previous checkpoint is still read under the directory's name, and the
+    next directory save cleans up and publishes."""
     stage, target = str(tmp_path / "stage"), str(tmp_path / "last.ckpt")
     with fp.Checkpointer(stage, comm="local") as ck:
         ck.save(4, _state(4), directory=target).wait()
     env = dict(os.environ, PYTHONPATH=SRC)
+    if where == "between-renames":
+        env["FASTPERSIST_NO_RENAME_EXCHANGE"] = "1"
     proc = subprocess.run([sys.executable, "-c", _CHILD, stage, target, where], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
-    assert fp.open(target).load()["i"] == 4
+    assert fp.load_checkpoint(directory_checkpoint(target))["i"] == 4  # read in place, nothing renamed
+    assert os.path.lexists(target) == (where != "between-renames")
     # killed before the move: step 5 is committed in the staging root; after: in the partial
     staged = [c.step for c in fp.list_checkpoints(stage) if c.committed]
     assert staged == ([5] if where == "move" else [])
-    assert os.path.isdir(os.path.join(target + PARTIAL_SUFFIX, "step-00000005")) == (where == "latest")
+    assert os.path.isdir(os.path.join(target + PARTIAL_SUFFIX, "step-00000005")) == (where != "move")
     with fp.Checkpointer(stage, comm="local") as ck:
         ck.save(6, _state(6), directory=target).wait()
     assert fp.open(target).load()["i"] == 6
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "stage"]
 
 
-def test_recover_restores_a_directory_left_between_the_two_renames(tmp_path) -> None:
-    """Where a filesystem cannot exchange two names, the old directory is renamed aside
-    first; a crash before the new one takes its name leaves only the old one, which reads
-    of the directory put back."""
-    stage, target = str(tmp_path / "stage"), str(tmp_path / "last.ckpt")
+def test_sweep_cleans_what_interrupted_publishes_left(tmp_path) -> None:
+    """A framework's folder after crashes: a partial (removed), an old copy beside its
+    checkpoint (removed), an old copy alone (put back under its name); a directory save never
+    replaces a directory that is not a published checkpoint."""
+    stage = str(tmp_path / ".stage")
     with fp.Checkpointer(stage, comm="local") as ck:
-        ck.save(1, _state(1), directory=target).wait()
-    os.rename(target, target + OLD_SUFFIX)
-    assert fp.load_checkpoint(directory_checkpoint(target))["i"] == 1
-    assert os.path.isdir(target) and not os.path.exists(target + OLD_SUFFIX)
-    recover(target)  # nothing to do now
+        for i, name in enumerate(["a", "b"]):
+            ck.save(i, _state(i), directory=str(tmp_path / name)).wait()
+    os.rename(tmp_path / "b", str(tmp_path / "b") + OLD_SUFFIX)  # b: between the two renames
+    shutil.copytree(tmp_path / "a", str(tmp_path / "a") + OLD_SUFFIX)  # a: the old copy left beside it
+    os.mkdir(str(tmp_path / "c") + PARTIAL_SUFFIX)
+    sweep(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [".stage", "a", "b"]
+    assert fp.open(str(tmp_path / "b")).load()["i"] == 1
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a checkpoint")
+    with fp.Checkpointer(stage, comm="local") as ck:
+        with pytest.raises(CheckpointWriteError, match="not a checkpoint published by fastpersist"):
+            ck.save(3, _state(3), directory=str(tmp_path / "mine")).wait()
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "not a checkpoint"
     with pytest.raises(CheckpointNotFoundError, match="holds no committed"):
         directory_checkpoint(str(tmp_path / "nothing"))
 

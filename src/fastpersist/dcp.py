@@ -296,6 +296,35 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
 
 
+def _read_metadata(directory: str, backend: FileBackend) -> Metadata:
+    """The DCP metadata committed in ``directory`` (any DCP writer's), read safely."""
+    path = os.path.join(directory, METADATA_NAME)
+    try:  # a regular file, not a link, FIFO or device, at most _MAX_METADATA bytes
+        raw = backend.read_small(path, _MAX_METADATA, "DCP metadata file")
+    except CheckpointNotFoundError as e:
+        raise CheckpointNotFoundError(f"no committed fastpersist.dcp checkpoint at {directory} "
+                                      f"(no {METADATA_NAME})") from e
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:
+        raise CorruptCheckpointError(f"{path} is not DCP metadata: {type(e).__name__}: {e}") from e
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CorruptCheckpointError(f"{path} is not DCP metadata")
+    return metadata
+
+
+def written_by_fastpersist(directory: str | os.PathLike[str], backend: FileBackend | None = None) -> bool:
+    """Whether the DCP checkpoint committed in ``directory`` was written by :class:`Writer`
+    (False for another writer's, such as DCP's ``FileSystemWriter``, whose metadata holds
+    objects this module's restricted unpickler refuses: read those with DCP's
+    ``FileSystemReader``). Raises :class:`CheckpointNotFoundError` when there is none."""
+    try:
+        metadata = _read_metadata(os.fspath(directory), backend or FileBackend())
+    except CorruptCheckpointError:
+        return False
+    return all(isinstance(v, ItemLocation) for v in metadata.storage_data.values())
+
+
 class Reader(StorageReader):
     """DCP storage reader for checkpoints written by :class:`Writer`.
 
@@ -322,17 +351,7 @@ class Reader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(self.dirs[0], METADATA_NAME)
-        try:  # a regular file, not a link, FIFO or device, at most _MAX_METADATA bytes
-            raw = self.backend.read_small(path, _MAX_METADATA, "DCP metadata file")
-        except CheckpointNotFoundError as e:
-            raise CheckpointNotFoundError(f"no committed fastpersist.dcp checkpoint at {self.dirs[0]} "
-                                          f"(no {METADATA_NAME})") from e
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-        except Exception as e:
-            raise CorruptCheckpointError(f"{path} is not DCP metadata: {type(e).__name__}: {e}") from e
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CorruptCheckpointError(f"{path} is not DCP metadata")
+        metadata = _read_metadata(self.dirs[0], self.backend)
         bad = [k for k, v in metadata.storage_data.items() if not isinstance(v, ItemLocation)]
         if bad:
             raise CorruptCheckpointError(f"{path} was not written by fastpersist.dcp.Writer (item {bad[0]} has no "

@@ -62,6 +62,7 @@ class Proposal:
     # several nodes, first save, a node's leader: what its node's roots hold committed
     commits: dict[int, timeline.Commit] | None = None
     own: tuple[int, list[int]] | None = None  # several nodes: its rank_state's skeleton length and storage sizes
+    publish: bool = False  # save(directory=...) on this rank
 
 
 @dataclass
@@ -166,6 +167,8 @@ class SaveProtocol:
         except Exception as e:  # noqa: BLE001 - committed: the durable tier must not fail the save
             logger.warning("checkpoint step %d is committed; queueing its drain failed: %s", job.step, e)
             job.completion.not_drained()
+        if job.directory is not None:  # moved out of the roots next: retention must not count it
+            self.coordinator.release(job.step)
         if self.leader:
             try:
                 pending = self.drainer.pending() if self.drainer is not None else set()
@@ -227,7 +230,7 @@ class SaveProtocol:
         own = job.prepared[1]
         unique = (len(own.skeleton), own.sizes) if own is not None and self.nodes is not None else None
         return Proposal(digest, secrets.token_hex(6), job.step, job.number, [sh.meta for sh in job.shards], commits,
-                        unique)
+                        unique, job.directory is not None)
 
     def _plan(self, job: SaveJob, proposals: list[Proposal]) -> SavePlan:
         """The plan every rank derives alike from the proposals; or, on every rank alike, why not."""
@@ -243,6 +246,11 @@ class SaveProtocol:
                 "more saves (nothing further is committed): restart the job's Checkpointers"
             )
             raise CheckpointWriteError(self.broken)
+        publishing = [r for r, x in enumerate(proposals) if x.publish]
+        if publishing and len(publishing) != len(proposals):
+            raise CheckpointWriteError(
+                f"checkpoint step {job.step}: save(directory=...) was given on rank(s) {publishing} only; every rank "
+                "passes it (rank 0's directory is used)")
         differing = [r for r, x in enumerate(proposals) if x.digest != first.digest]
         if differing:
             raise CheckpointWriteError(

@@ -74,13 +74,13 @@ def check_directory_save(directory: object, roots: int, nodes: int, durable: boo
 def publish_everywhere(comm: Comm, step: int, root: str, directory: str, backend: FileBackend,
                        coordinator: Coordinator) -> None:
     """After the commit of ``step``, in the save's job on every rank: rank 0 publishes it as
-    ``directory``; every rank raises if that failed."""
+    ``directory``; every rank raises if that failed. (Retention stopped counting the step at
+    its commit: :meth:`~fastpersist.coordinator.Coordinator.release`.)"""
     def publish() -> None:
         if comm.rank != 0:
             return
         coordinator.janitor.drain()  # no deletion of the roots' old steps races the move
         publish_step(root, step, directory, backend)
-        coordinator.release(step)
 
     agree(comm, f"publishing checkpoint step {step} as {directory}", publish)
 
@@ -90,12 +90,14 @@ def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> 
 
     Raises:
         CheckpointWriteError: the move failed (naming the paths and the cause); the checkpoint
-            then stays committed under ``root`` and ``directory`` is unchanged.
+            then stays committed under ``root`` (or, after a failure past the move, in
+            ``directory.fp-partial``) and ``directory`` is unchanged.
     """
     name = catalog.step_dir(step)
     partial = directory + PARTIAL_SUFFIX
     try:
-        recover(directory)
+        recover(directory, backend)
+        _check_replaceable(directory)
         remove_path(partial)
         backend.makedirs(partial)
         backend.replace(os.path.join(root, name), os.path.join(partial, name))
@@ -109,40 +111,83 @@ def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> 
     try:
         catalog.point_latest(partial, step, backend)
         backend.fsync_dir(root)
-        swap_in(partial, directory)
+        old = swap_in(partial, directory, backend)
     except OSError as e:
         raise CheckpointWriteError(f"checkpoint step {step}: publishing {partial} as {directory} failed: "
                                    f"{e.strerror or e}; {partial} holds the committed checkpoint") from e
+    if old is not None:  # published: removing what it replaced is best effort
+        try:
+            remove_path(old)
+        except OSError as e:
+            logger.warning("checkpoint step %d is published as %s; the checkpoint it replaced could not be removed "
+                           "from %s: %s", step, directory, old, e.strerror or e)
 
 
-def swap_in(partial: str, path: str) -> None:
-    """Make ``partial`` (a directory) take ``path``'s place atomically; the old ``path``, if
-    any, is removed afterwards."""
+def swap_in(partial: str, path: str, backend: FileBackend) -> str | None:
+    """Make ``partial`` (a directory) take ``path``'s place atomically; returns where the old
+    ``path`` now is (to remove), or None if there was none."""
     parent = os.path.dirname(os.path.abspath(path))
-    if os.path.lexists(path) and _exchange(partial, path):
+    if os.path.lexists(path) and exchange_supported() and _exchange(partial, path):
         fsync_dir(parent)
-        remove_path(partial)  # the old checkpoint, now under the partial name
-        return
+        return partial  # the old checkpoint, now under the partial name
     old = None
     if os.path.lexists(path):
         old = path + OLD_SUFFIX
         remove_path(old)
-        os.rename(path, old)
-    os.rename(partial, path)
+        backend.replace(path, old)
+    backend.replace(partial, path)  # a crash before this leaves path.fp-old alone: see recover()
     fsync_dir(parent)
-    if old is not None:
-        remove_path(old)
+    return old
 
 
-def recover(path: str) -> None:
+def _check_replaceable(path: str) -> None:
+    """Refuse to replace a directory that is not a published checkpoint (a mistaken path)."""
+    if not os.path.isdir(path) or os.path.islink(path) or not os.listdir(path):
+        return  # nothing, a file (a framework's single-file checkpoint of the same name) or empty
+    if catalog.read_latest(path) is None:
+        raise OSError(errno.EEXIST, f"{path} exists and is not a checkpoint published by fastpersist; "
+                      "not replaced (remove it, or save into another directory)")
+
+
+def recover(path: str, backend: FileBackend | None = None) -> None:
     """Undo a crash between the two renames of a publish without exchange: ``path`` missing
-    and ``path.fp-old`` present means ``path.fp-old`` is the last published checkpoint."""
+    and ``path.fp-old`` present means ``path.fp-old`` is the last published checkpoint. Only
+    the publisher (rank 0, holding the roots' lock) renames; readers use
+    :func:`directory_checkpoint`, which reads ``path.fp-old`` in place."""
     old = path + OLD_SUFFIX
     if not os.path.lexists(path) and os.path.isdir(old):
         logger.warning("%s was being replaced when a process died; restoring the previous checkpoint from %s",
                        path, old)
-        os.rename(old, path)
+        (backend or FileBackend()).replace(old, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def sweep(folder: str) -> None:
+    """Clean what crashed publishes left in ``folder`` (the publisher, before its first save):
+    a ``X.fp-partial`` (removed), a ``X.fp-old`` beside ``X`` (removed) or alone (put back)."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if name.endswith(PARTIAL_SUFFIX):
+                remove_path(path)
+            elif name.endswith(OLD_SUFFIX):
+                target = path[:-len(OLD_SUFFIX)]
+                if os.path.lexists(target):
+                    remove_path(path)
+                else:
+                    recover(target)
+        except OSError as e:
+            logger.warning("could not clean %s left by an interrupted publish: %s", path, e.strerror or e)
+
+
+def remove_published(path: str) -> None:
+    """Remove the checkpoint published as ``path`` and what an interrupted publish of it left."""
+    for p in (path, path + PARTIAL_SUFFIX, path + OLD_SUFFIX):
+        remove_path(p)
 
 
 def remove_path(path: str) -> None:
@@ -154,16 +199,27 @@ def remove_path(path: str) -> None:
 
 
 def directory_checkpoint(path: str) -> str:
-    """The step directory of the checkpoint published as ``path`` (its most recent commit).
+    """The step directory of the checkpoint published as ``path`` (its most recent commit);
+    read-only: after a crash between the two renames of a publish without exchange, the
+    checkpoint is read where it is, in ``path.fp-old``.
 
     Raises:
         CheckpointNotFoundError: ``path`` holds no committed fastpersist checkpoint.
     """
-    recover(path)
-    step = catalog.read_latest(path) if os.path.isdir(path) else None
-    if step is None:
-        raise CheckpointNotFoundError(f"{path} holds no committed fastpersist checkpoint")
-    return os.path.join(path, catalog.step_dir(step))
+    for where in (path, path + OLD_SUFFIX):
+        step = catalog.read_latest(where) if os.path.isdir(where) else None
+        if step is not None:
+            return os.path.join(where, catalog.step_dir(step))
+        if os.path.lexists(path):
+            break
+    raise CheckpointNotFoundError(f"{path} holds no committed fastpersist checkpoint")
+
+
+def exchange_supported() -> bool:
+    """Whether publishes swap directories in one ``renameat2(RENAME_EXCHANGE)``; the
+    environment variable ``FASTPERSIST_NO_RENAME_EXCHANGE=1`` turns it off (a filesystem that
+    claims it and misbehaves), leaving the two-rename path."""
+    return os.environ.get("FASTPERSIST_NO_RENAME_EXCHANGE", "") not in ("1", "true", "yes")
 
 
 _libc: ctypes.CDLL | None = None
@@ -173,7 +229,10 @@ def _exchange(a: str, b: str) -> bool:
     """Swap the names ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        except OSError:  # no C library to ask (an unusual libc): the two-rename path
+            return False
     fn = getattr(_libc, "renameat2", None)
     if fn is None:
         return False

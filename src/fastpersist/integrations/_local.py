@@ -16,55 +16,74 @@ import shutil
 from typing import Any
 
 from fastpersist.checkpointer import Checkpointer, list_checkpoints
+from fastpersist.errors import CheckpointError
 from fastpersist.handle import SaveHandle
-from fastpersist.publish import remove_path
+from fastpersist.publish import sweep
 
 STAGING = ".fastpersist-staging"
 
-__all__ = ["NamedCheckpoints", "STAGING", "remove_path"]
+__all__ = ["NamedCheckpoints", "STAGING"]
 
 
 class NamedCheckpoints:
-    """Checkpoints saved under paths of the caller's choosing, by one Checkpointer.
+    """Checkpoints saved under paths of the caller's choosing, by one Checkpointer per folder.
 
     Args:
-        mode: the Checkpointer's mode (``"sync"``, ``"snapshot"`` or ``"overlap"``).
+        mode: the Checkpointers' mode (``"sync"``, ``"snapshot"`` or ``"overlap"``).
         **kwargs: further Checkpointer arguments (``config``, ``backend``, ``snapshot_bytes``).
+
+    Raises:
+        CheckpointError: ``when_busy="skip"`` (a skipped save would leave the framework
+            recording a checkpoint that does not exist).
     """
 
     def __init__(self, mode: str, **kwargs: Any) -> None:
+        if kwargs.get("when_busy", "wait") != "wait":
+            raise CheckpointError(f"when_busy={kwargs['when_busy']!r}: a framework records every checkpoint it asks "
+                                  "for, so saves under its names always wait (when_busy='wait')")
         self.mode = mode
         # A run that died between a commit and its move left a committed step in the staging
         # root; the next run restarts the sequence numbers, which abandons it: deleted.
         self.kwargs = {"abandoned": "delete", **kwargs}
         self.collective = False  # every rank saves (else this process alone: comm="local")
-        self._checkpointer: Checkpointer | None = None
-        self._staging: str | None = None
-        self._next = 0
+        self._checkpointers: dict[str, Checkpointer] = {}  # staging root -> its Checkpointer
+        self._next: dict[str, int] = {}
 
     def save(self, state: Any, path: str, rank_state: Any = None) -> SaveHandle:
         """Start saving ``state`` as ``path`` (a directory); the handle completes once ``path``
-        holds it (in the background, unless the mode is sync)."""
+        holds it (in the background, unless the mode is sync). Checkpoints in several folders
+        (two ``ModelCheckpoint`` callbacks) each have their own staging root and Checkpointer."""
         staging = os.path.join(os.path.dirname(os.path.abspath(path)), STAGING)
         ck = self._for(staging)
-        seq, self._next = self._next, self._next + 1
+        seq = self._next[staging]
+        self._next[staging] = seq + 1
         return ck.save(seq, state, rank_state=rank_state, directory=path)
 
     def close(self) -> None:
-        """Wait for the checkpoints in flight and release the staging root."""
-        if self._checkpointer is not None:
-            ck, self._checkpointer = self._checkpointer, None
-            ck.close()
-            if ck.rank == 0 and self._staging is not None and not list_checkpoints(self._staging):
-                shutil.rmtree(self._staging, ignore_errors=True)  # every checkpoint was published
+        """Wait for the checkpoints in flight and release the staging roots (the first error is
+        raised after every Checkpointer is closed)."""
+        first: BaseException | None = None
+        while self._checkpointers:
+            staging, ck = self._checkpointers.popitem()
+            try:
+                ck.close()
+            except BaseException as e:  # noqa: BLE001 - close the others, then raise
+                first = first or e
+            if ck.rank == 0 and not list_checkpoints(staging):
+                shutil.rmtree(staging, ignore_errors=True)  # every checkpoint was published
+        if first is not None:
+            raise first
 
     def _for(self, staging: str) -> Checkpointer:
-        """The Checkpointer for ``staging`` (a new one if the checkpoints' directory changed)."""
-        if self._checkpointer is not None and self._staging == staging:
-            return self._checkpointer
-        self.close()
+        """The Checkpointer for ``staging`` (created, after cleaning what crashed publishes left
+        in the folder, at the folder's first save)."""
+        ck = self._checkpointers.get(staging)
+        if ck is not None:
+            return ck
         comm = None if self.collective else "local"
-        self._checkpointer = Checkpointer(staging, mode=self.mode, comm=comm, **self.kwargs)
-        self._staging = staging
-        self._next = 0
-        return self._checkpointer
+        ck = Checkpointer(staging, mode=self.mode, comm=comm, **self.kwargs)
+        if ck.rank == 0:
+            sweep(os.path.dirname(staging))
+        self._checkpointers[staging] = ck
+        self._next[staging] = 0
+        return ck

@@ -126,9 +126,14 @@ class AcceleratorCheckpointer:
                 if key.startswith("optimizer_"):
                     self.checkpointer.protect(getattr(opt, "optimizer", opt))
             self._protected = True
-        state = {**objects, "step": step, "accelerator_step": self.accelerator.step, "extra": dict(extra or {})}
-        return self.checkpointer.save(step, state, rank_state={"rng": RNGState()},
-                                      metadata={"trainer": "accelerate", "step": step})
+        # a model's buffers (BatchNorm statistics) differ between ddp processes: rank 0's are saved
+        models = {k: _apart(v) for k, v in objects.items() if k.startswith("model_")}
+        state = {**objects, **{k: params for k, (params, _) in models.items()}, "step": step,
+                 "accelerator_step": self.accelerator.step, "extra": dict(extra or {})}
+        own: dict[str, Any] = {"rng": RNGState()}
+        if self.checkpointer.rank == 0:
+            own["model_buffers"] = {k: buffers for k, (_, buffers) in models.items()}
+        return self.checkpointer.save(step, state, rank_state=own, metadata={"trainer": "accelerate", "step": step})
 
     def load_state(self, step: int | str = "latest", *, load_rng: bool = True) -> dict[str, Any]:
         """Restore a checkpoint in place: every registered object, the step counter, the RNG.
@@ -143,7 +148,11 @@ class AcceleratorCheckpointer:
         _check_supported(self.accelerator)
         self.checkpointer.wait()
         objects = registered(self.accelerator)
-        state = self.checkpointer.load(step, into=objects)
+        state = self.checkpointer.load(step, into={k: v for k, v in objects.items() if not k.startswith("model_")})
+        buffers = self.checkpointer.load_rank_state(state["step"], rank=0).get("model_buffers", {})
+        for key, model in objects.items():
+            if key.startswith("model_"):
+                model.load_state_dict({**state[key], **buffers.get(key, {})})
         self.accelerator.step = int(state["accelerator_step"])
         if load_rng:
             self.load_rng_state(state["step"])
@@ -179,6 +188,13 @@ class AcceleratorCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _apart(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A model's state dict split into its parameters and its buffers."""
+    state = model.state_dict()
+    names = {name for name, _ in model.named_buffers()}
+    return ({k: v for k, v in state.items() if k not in names}, {k: v for k, v in state.items() if k in names})
 
 
 def _check_supported(accelerator: Accelerator) -> None:

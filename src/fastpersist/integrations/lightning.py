@@ -52,7 +52,7 @@ from fastpersist.errors import CheckpointError
 from fastpersist.format import manifest as mf
 from fastpersist.handle import SaveHandle
 from fastpersist.integrations import _local
-from fastpersist.publish import directory_checkpoint
+from fastpersist.publish import directory_checkpoint, remove_published
 from fastpersist.single_file import load as load_file
 from fastpersist.single_file import save as save_file
 from fastpersist.view import load_checkpoint
@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("file", "sharded")
 BULK = ("state_dict", "optimizer_states")  # the replicated (or sharded) state; the rest is rank 0's
+BUFFERS = "fastpersist_module_buffers"  # the module's buffers, rank 0's (see buffers_apart)
 
 
 def _bulk(key: str) -> bool:
@@ -158,7 +159,7 @@ class FastPersistCheckpointIO(CheckpointIO):
         """Remove the checkpoint at ``path`` (file or directory), once written if in flight."""
         path = os.path.abspath(os.fspath(path))
         self._wait_for(path)
-        _local.remove_path(path)
+        remove_published(path)
 
     def wait(self) -> None:
         """Wait until every checkpoint in flight is published; raise the first failure."""
@@ -227,7 +228,7 @@ class FastPersistDDPStrategy(DDPStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         io.collective = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        io.save_checkpoint(checkpoint, filepath, storage_options)
+        io.save_checkpoint(buffers_apart(checkpoint, self.lightning_module), filepath, storage_options)
 
 
 class FastPersistModelParallelStrategy(ModelParallelStrategy):
@@ -263,7 +264,7 @@ class FastPersistModelParallelStrategy(ModelParallelStrategy):
         # one entry per optimizer (as ModelParallelStrategy's DCP checkpoints): loads fill them in place
         optimizers = checkpoint.pop("optimizer_states", [])
         checkpoint.update({f"optimizer_{i}": state for i, state in enumerate(optimizers)})
-        self.fastpersist_io.save_checkpoint(checkpoint, path, storage_options)
+        self.fastpersist_io.save_checkpoint(buffers_apart(checkpoint, self.lightning_module), path, storage_options)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
@@ -277,7 +278,7 @@ class FastPersistModelParallelStrategy(ModelParallelStrategy):
         path = self.broadcast(os.path.abspath(os.fspath(checkpoint_path)))
         self.fastpersist_io.wait()
         try:
-            directory_checkpoint(path)  # (a publish a crash left half done is undone first)
+            step_dir = directory_checkpoint(path)
         except CheckpointError:
             return super().load_checkpoint(checkpoint_path, weights_only)
         if self.model is None or self.lightning_module is None:
@@ -289,13 +290,18 @@ class FastPersistModelParallelStrategy(ModelParallelStrategy):
         into = {"state_dict": get_model_state_dict(self.model, options=options),
                 **{f"optimizer_{i}": get_optimizer_state_dict(self.model, o, options=options)
                    for i, o in enumerate(self.optimizers)}}
-        view = open_view(path)  # a published checkpoint: the directory's one commit is its latest
-        loaded = view.load("latest", into=into, weights_only=only)
+        view = open_view(os.path.dirname(step_dir))  # the published root (or its .fp-old, after a crash)
+        step = catalog.parse_step_dir(os.path.basename(step_dir))
+        if step is None:  # pragma: no cover - directory_checkpoint names a step directory
+            raise CheckpointError(f"{step_dir} is not a checkpoint's step directory")
+        loaded = view.load(step, into=into, weights_only=only)
         strict = self.lightning_module.strict_loading
+        own = dict(view.load_rank_state(step, rank=0, weights_only=only))
+        loaded["state_dict"].update(own.pop(BUFFERS, {}))
         set_model_state_dict(self.model, loaded["state_dict"], options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, loaded[f"optimizer_{i}"], options=options)
-        return dict(view.load_rank_state("latest", rank=0, weights_only=only))
+        return own
 
     def teardown(self) -> None:
         try:
@@ -315,5 +321,21 @@ def load_directory(path: str, map_location: Any = None, weights_only: bool = Tru
     state = load_checkpoint(step_dir, map_location=map_location, weights_only=weights_only)
     if mf.rank_object(0) in catalog.read_manifest(step_dir).objects:
         rest = load_checkpoint(step_dir, rank=0, map_location=map_location, weights_only=weights_only)
+        buffers = rest.pop(BUFFERS, None)
         state = {**rest, **state}
+        if buffers is not None:
+            state["state_dict"] = {**state["state_dict"], **buffers}
     return state
+
+
+def buffers_apart(checkpoint: dict[str, Any], module: Any) -> dict[str, Any]:
+    """``checkpoint`` with the module's buffers taken out of ``state_dict`` into their own
+    entry (rank 0's state): under DDP each rank updates them from its own batch (BatchNorm's
+    running statistics; DDP broadcasts rank 0's at the next forward), so they are not
+    replicated, and Lightning's checkpoint holds rank 0's."""
+    names = {name for name, _ in module.named_buffers()} if module is not None else set()
+    state = checkpoint.get("state_dict")
+    if not names or not isinstance(state, dict):
+        return checkpoint
+    checkpoint[BUFFERS] = {k: state.pop(k) for k in list(state) if k in names}
+    return checkpoint

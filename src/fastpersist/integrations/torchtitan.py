@@ -19,7 +19,8 @@ O_DIRECT pipelined writes, checksums, the metadata committed last), keeping DCP'
 (each rank writes what it owns, resharding at load) and torchtitan's async modes (``async``:
 DCP's ``async_save`` on torchtitan's gloo group; ``async_with_pinned_mem``: its pinned-memory
 stager, which needs an accelerator). Hugging Face format saves and loads (``last_save_in_hf``,
-``initial_load_in_hf``) are torchtitan's own, unchanged.
+``initial_load_in_hf``) are torchtitan's own, unchanged, and so is loading a checkpoint DCP's
+own writer wrote (a seed checkpoint, an ``initial_load_path`` from elsewhere).
 
 Checked against torchtitan 0.3.0 (``torchtitan.components.checkpointer.dcp``). A checkpoint
 written here is read by this subclass (or ``fastpersist.dcp.Reader``), not by DCP's
@@ -40,7 +41,7 @@ from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
-from fastpersist.dcp import Reader, Writer
+from fastpersist.dcp import Reader, Writer, written_by_fastpersist
 from fastpersist.io.backend import FileBackend
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class FastPersistCheckpointManager(CheckpointManager):
         return ret
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if from_hf:
+        if from_hf or not written_by_fastpersist(checkpoint_id):  # HF format, or DCP's own (a seed checkpoint)
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         dcp.load(state_dict, storage_reader=Reader(checkpoint_id, backend=self.backend), checkpoint_id=checkpoint_id)

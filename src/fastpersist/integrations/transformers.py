@@ -105,16 +105,26 @@ class FastPersistTrainer(Trainer):
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         self._export_callback_states()
-        state: dict[str, Any] = {"model": self.model, "trainer_state": _state_json(self.state)}
-        rank_state = None
+        # Replicated (written once, split over the ranks): the model's parameters, the optimizer,
+        # the scheduler, the scaler. Rank 0's own: the TrainerState (its log history holds
+        # per-process timings, and the Trainer itself writes trainer_state.json from the main
+        # process) and the model's buffers (BatchNorm statistics: each ddp rank's differ).
+        # Each rank's own: its RNG states.
+        model = self.model.state_dict()
+        buffers = {name for name, _ in self.model.named_buffers()}
+        own_buffers = {k: model.pop(k) for k in list(model) if k in buffers}
+        state: dict[str, Any] = {"model": model}
+        rank_state: dict[str, Any] = {}
+        if self.args.process_index == 0:
+            rank_state.update(trainer_state=_state_json(self.state), model_buffers=own_buffers)
         if not self.args.save_only_model:
             state["optimizer"] = self.optimizer
             state["scheduler"] = self.lr_scheduler
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
-            rank_state = {"rng": RNGState()}
-        self.checkpointer.save(self.state.global_step, state, rank_state=rank_state,
+            rank_state["rng"] = RNGState()
+        self.checkpointer.save(self.state.global_step, state, rank_state=rank_state or None,
                                metadata={"trainer": "transformers", "global_step": self.state.global_step})
 
     def _export_callback_states(self) -> None:
@@ -180,15 +190,19 @@ class FastPersistTrainer(Trainer):
         """The replicated state and this rank's own state of the checkpoint in ``step_dir``."""
         others = [os.path.abspath(r) for r in self.fastpersist_roots[1:]]
         state = load_checkpoint(step_dir, others, map_location="cpu")
-        if "optimizer" not in state:
-            return state, None
+        objects = catalog.read_manifest(step_dir).objects
+        first = load_checkpoint(step_dir, others, rank=0, map_location="cpu") if mf.rank_object(0) in objects else {}
+        if "trainer_state" in first:  # (checkpoints of earlier versions hold it in the replicated state)
+            state["trainer_state"] = first["trainer_state"]
+            state["model"] = {**state["model"], **first.get("model_buffers", {})}
         rank = self.args.process_index
         logger.info("rank %d resumes from %s", rank, step_dir)
-        if mf.rank_object(rank) not in catalog.read_manifest(step_dir).objects:
+        own = first if rank == 0 else (load_checkpoint(step_dir, others, rank=rank, map_location="cpu")
+                                       if mf.rank_object(rank) in objects else {})
+        if "optimizer" in state and "rng" not in own:
             logger.warning("the checkpoint in %s was saved by fewer processes: process %d has no RNG state to "
                            "restore (as the Trainer's own checkpoints; resuming is not bit-exact then)", step_dir, rank)
-            return state, None
-        return state, load_checkpoint(step_dir, others, rank=rank, map_location="cpu")
+        return state, own if "rng" in own else None
 
     def _loaded(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
         if self._fp_loaded is None:
@@ -235,15 +249,9 @@ class FastPersistTrainer(Trainer):
         return None
 
 
-PER_PROCESS = ("is_local_process_zero", "is_world_process_zero")  # TrainerState's fields that differ by rank
-
-
 def _state_json(state: Any) -> str:
-    """``TrainerState`` as the JSON text ``TrainerState.save_to_json`` writes, without the
-    fields that differ by process (the same text on every rank, so it is replicated state; a
-    resumed process sets them from itself)."""
-    doc = {k: v for k, v in dataclasses.asdict(state).items() if k not in PER_PROCESS}
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    """``TrainerState`` as the JSON text ``TrainerState.save_to_json`` writes."""
+    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
 
 def _check_supported(trainer: Trainer) -> None:

@@ -160,9 +160,36 @@ def states_equal(a: Any, b: Any, *, layout: bool = True) -> bool:
 # ranks
 
 
+def leave(status: int = 0) -> None:
+    """End a test's job process once it has reported: flush and exit without interpreter
+    teardown. torch keeps a gloo group alive past ``destroy_process_group()`` once DTensor
+    collectives ran on it (FSDP2, ``full_tensor``; measured: its worker threads survive), and
+    a gloo worker that releases a collective's tensors while the interpreter is finalizing
+    aborts the process (SIGABRT) after everything was saved and checked. That abort is
+    torch's, in the job's own groups; fastpersist's own groups are closed before teardown, and
+    ``test_clean_exit.py`` checks fastpersist's jobs exit cleanly through a real teardown.
+
+    Everything an exit runs before the teardown still runs: threading's exit hooks (where the
+    Checkpointer finishes the saves in flight) and the join of non-daemon threads, then the
+    atexit functions."""
+    import atexit
+    import threading as _threading
+
+    shutdown = getattr(_threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _rank_main(rank: int, world: int, init: str, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.enable()  # a crash or a hang shows every thread's stack in the test's output
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         result: tuple[bool, Any] = (True, fn(rank, world, *args))
@@ -175,6 +202,7 @@ def _rank_main(rank: int, world: int, init: str, out: str, fn: Callable[..., Any
             pass
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    leave()
 
 
 def run_ranks(tmp_path: Any, world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:

@@ -22,6 +22,7 @@ from torch import nn
 from fastpersist.config import IOConfig
 from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.accelerate import AcceleratorCheckpointer
+from helpers import leave
 from integration_util import kill_faults
 
 STEPS = 8
@@ -91,3 +92,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # the job has reported; see helpers.leave

@@ -26,6 +26,7 @@ from torch import nn
 from fastpersist.config import IOConfig
 from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistCheckpointIO, FastPersistDDPStrategy
+from helpers import leave
 from integration_util import kill_faults
 
 
@@ -86,3 +87,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # the job has reported; see helpers.leave

@@ -25,6 +25,7 @@ from fastpersist.config import IOConfig
 from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistModelParallelStrategy
 from integration_lightning_child import Tiny
+from helpers import leave
 from integration_util import kill_faults
 
 
@@ -60,3 +61,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # the job has reported; see helpers.leave

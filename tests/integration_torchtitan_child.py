@@ -29,6 +29,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from fastpersist.config import configure
 from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.torchtitan import FastPersistCheckpointManager
+from helpers import leave
 from integration_util import kill_faults
 
 
@@ -89,3 +90,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # the job has reported; see helpers.leave

@@ -22,6 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 from fastpersist.config import IOConfig
 from fastpersist.faults import FaultyBackend
 from fastpersist.integrations.transformers import FastPersistTrainer
+from helpers import leave
 from integration_util import kill_faults
 
 STEPS = 8
@@ -69,3 +70,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # the job has reported; see helpers.leave

@@ -112,7 +112,19 @@ def test_kill_before_commit_in_other_modes(tmp_path, mode):
     assert summary["committed"] == [1]
 
 
-@pytest.mark.parametrize("mode", ["sync", "snapshot", "overlap"])
+@pytest.mark.parametrize("point", PROTOCOL_POINTS)
+def test_kill_incremental_save_at_each_protocol_point(tmp_path, point):
+    """Incremental saves (the frozen tensor's files are linked from the last checkpoint, and
+    retention deletes the older ones): a kill anywhere loses nothing committed."""
+    roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    acknowledged = _run_child(roots, "snapshot+inc", point, at=4, delay=0.0)
+    summary = _check_after_crash(roots, acknowledged)
+    assert summary["committed"][-1] == (3 if point in ("after-data", "after-manifest-temp") else 4)
+    assert any(os.stat(os.path.join(r, "step-00000003", n)).st_nlink > 1
+               for r in roots for n in os.listdir(os.path.join(r, "step-00000003")) if n.endswith(".bin"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "snapshot", "overlap", "snapshot+inc", "overlap+inc"])
 def test_kill_mid_save(tmp_path, mode):
     """Killed while step 3's data is being written (its second data write is held, and the
     child is killed there): step 3 is partial, step 2 is the latest, the next writer cleans."""
@@ -132,7 +144,7 @@ def _random_trials(tmp_path, count: int, seed: int) -> None:
     outcomes = {"mid-save": 0, "between": 0}
     for trial in range(1, count + 1):
         roots = [str(tmp_path / f"t{trial}" / "r0"), str(tmp_path / f"t{trial}" / "r1")]
-        mode = ["sync", "snapshot", "overlap"][trial % 3]
+        mode = ["sync", "snapshot", "overlap", "snapshot+inc", "overlap+inc"][trial % 5]
         acknowledged = _run_child(roots, mode, "none", 0, delay=0.002, kill_after=rng.uniform(0.05, 1.5))
         summary = _check_after_crash(roots, acknowledged)
         outcomes["mid-save" if summary["partial"] else "between"] += 1

@@ -43,6 +43,7 @@ from fastpersist.durable.store import DirStore, Store, open_store
 from fastpersist.durable.view import durable_view
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
+from fastpersist.incremental import Incremental, block_size
 from fastpersist.io.backend import FileBackend
 from fastpersist.job import SaveJob
 from fastpersist.nodes import Nodes, check_redundancy, node_id
@@ -113,6 +114,12 @@ class Checkpointer(ReadMethods):
             steps after the last drained (default 1). ``durable_keep``: the durable tier's
             retention (None: keep all; its latest is never deleted). ``durable_bandwidth``:
             bytes/s one rank's drain may move (None: unbounded).
+        incremental: do not write again the replicated bytes that are unchanged since the last
+            checkpoint this Checkpointer committed (units of 4 MiB, or of the size given in bytes,
+            compared by sample, then by xxh3-128); the new checkpoint names the last one's files
+            holding them (hard links),
+            so deleting any checkpoint never loses another's bytes (:mod:`fastpersist.incremental`).
+            One node (or one shared filesystem) only.
 
     Raises:
         ValueError, TypeError: an argument is wrong (named in the message).
@@ -152,8 +159,10 @@ class Checkpointer(ReadMethods):
         durable_bandwidth: float | None = None,
         node: str | None = None,
         redundancy: int | None = None,
+        incremental: bool | int = False,
     ) -> None:
         _check_arguments(mode, max_in_flight, snapshot_bytes, history, timeout_s)
+        block = block_size(incremental)
         retention = Retention(keep, keep_every, abandoned)
         paths = root_list(roots)
         self.comm = _comm(comm, timeout_s)
@@ -164,6 +173,9 @@ class Checkpointer(ReadMethods):
         self.roots, hosts, self.nodes, store = _roots_everywhere(self.comm, paths, durable, node, redundancy)
         self.writer_ranks = writer_ranks(writers, hosts if self.nodes.count == 1 else self.nodes.per_rank())
         self.redundancy = check_redundancy(redundancy, self.nodes, self.writer_ranks)
+        if block is not None and self.nodes.count > 1:
+            raise ValueError("incremental=True needs every root on one node (or one shared filesystem): a checkpoint "
+                             f"reuses the last one's files by hard links, and this job spans {self.nodes.count} nodes")
         self.mode = mode
         self.backend = backend or FileBackend()
         self._config = config
@@ -184,7 +196,8 @@ class Checkpointer(ReadMethods):
                                   self.check_replicated and self.comm.world_size > 1, self.nodes, self.redundancy,
                                   getattr(self.comm, "exchange", None)),
             self._coordinator, self.writer_ranks, len(self.roots), self.check_replicated,
-            lambda: {j.step for j in self._driver.in_flight()}, self._drainer, self.nodes, self.redundancy)
+            lambda: {j.step for j in self._driver.in_flight()}, self._drainer, self.nodes, self.redundancy,
+            Incremental(self.comm.rank, self.comm.world_size, block) if block is not None else None)
         self._reads = Reads(self._view, durable_view(store, config, self.roots[0]) if store is not None else None,
                             self.comm, self.nodes, lambda: self.config)
         _at_exit(_finish_at_exit, weakref.ref(self))

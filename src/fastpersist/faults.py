@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from fastpersist.io.backend import PROTOCOL_POINTS, FileBackend
 
-OPS = ("open", "write", "fsync", "rename", "delete", "list", "lock", "read", "event")
+OPS = ("open", "write", "fsync", "rename", "delete", "list", "lock", "read", "event", "link")
 
 
 @dataclass
@@ -126,6 +126,9 @@ class FaultyBackend(FileBackend):
     def before_read(self, path: str, offset: int | None, nbytes: int | None) -> None:
         self._hit("read", None, path)
 
+    def before_link(self, root: int, src: str, dst: str) -> None:
+        self._hit("link", root, dst)
+
 
 class HoldWrite(FaultyBackend):
     """A :class:`FaultyBackend` that also stops the process in the middle of one save: the
@@ -187,6 +190,10 @@ class NodeLocal(FileBackend):
 
     def before_lock(self, path: str) -> None:
         self.check(path)
+
+    def before_link(self, root: int, src: str, dst: str) -> None:
+        self.check(src)
+        self.check(dst)
 
     def makedirs(self, path: str) -> None:
         self.check(path)

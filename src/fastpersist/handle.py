@@ -32,6 +32,7 @@ class SaveMetrics:
     mode: str
     bytes_total: int = 0  # data bytes in the checkpoint (all objects, all ranks)
     bytes_written: int = 0  # data bytes this rank wrote
+    bytes_reused: int = 0  # incremental saves: data bytes this rank linked from the last checkpoint, not written
     bytes_per_root: dict[int, int] = field(default_factory=dict)
     bytes_copied: int = 0  # bytes copied at save time (snapshot / unguarded tensors)
     save_call_s: float = 0.0  # time inside save()
@@ -53,7 +54,8 @@ class SaveMetrics:
         return (f"checkpoint step {self.step} committed ({self.mode}{', inline' if self.inline else ''}): "
                 f"{self.bytes_total / 2**20:.1f} MiB in {self.total_s:.3f} s ({rate:.2f} GiB/s); training blocked "
                 f"{self.blocked_s * 1e3:.1f} ms (save {self.save_call_s * 1e3:.1f} + step {self.step_wait_s * 1e3:.1f}); "
-                f"wrote {self.bytes_written / 2**20:.1f} MiB on this rank in {self.write_s:.3f} s")
+                f"wrote {self.bytes_written / 2**20:.1f} MiB on this rank in {self.write_s:.3f} s"
+                + (f" (reused {self.bytes_reused / 2**20:.1f} MiB)" if self.bytes_reused else ""))
 
     @property
     def gbps(self) -> float:

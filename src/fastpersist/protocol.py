@@ -45,6 +45,7 @@ from fastpersist.replicas import check_replicas, check_replicated_chunks
 
 if TYPE_CHECKING:
     from fastpersist.coordinator import Coordinator, Decision
+    from fastpersist.incremental import Incremental, Reused
     from fastpersist.rank_writer import RankWriter
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Proposal:
     commits: dict[int, timeline.Commit] | None = None
     own: tuple[int, list[int]] | None = None  # several nodes: its rank_state's skeleton length and storage sizes
     publish: bool = False  # save(directory=...) on this rank
+    unchanged: tuple[int, ...] = ()  # incremental saves: this rank's units unchanged since the last commit
 
 
 @dataclass
@@ -89,6 +91,7 @@ class SavePlan:
     own: Prepared | None
     multi_node: bool = False  # several nodes: each node's leader writes its copy of the skeleton
     owns: list[tuple[int, list[int]] | None] = field(default_factory=list)  # every rank's Proposal.own
+    reused: list[Reused] = field(default_factory=list)  # incremental saves: the last checkpoint's files to link
 
 
 class SaveProtocol:
@@ -96,8 +99,10 @@ class SaveProtocol:
 
     def __init__(self, comm: Comm, writer: RankWriter, coordinator: Coordinator, writer_ranks: list[int],
                  roots: int, check_replicated: bool, in_flight: Callable[[], set[int]],
-                 drainer: Drainer | None = None, nodes: Nodes | None = None, redundancy: int = 1) -> None:
+                 drainer: Drainer | None = None, nodes: Nodes | None = None, redundancy: int = 1,
+                 incremental: Incremental | None = None) -> None:
         self.comm = comm
+        self.incremental = incremental  # skips the replicated bytes unchanged since the last commit
         self.nodes = nodes if nodes is not None and nodes.count > 1 else None
         self.redundancy = redundancy
         self._inventoried = False  # several nodes: the leaders' commits were gathered (first save)
@@ -154,6 +159,8 @@ class SaveProtocol:
                       commit_node(job.step, p.save_id, written, p.layout, decision) if self.leader
                       else None)
         except CheckpointError:
+            if self.incremental is not None:
+                self.incremental.forget()
             if self.drainer is not None and self._taken == job.step:
                 self.drainer.forget(job.step)  # rank 0 took it, then the commit failed somewhere: never queued
             if not self._committed(job.step, p.save_id, phase == "nodes"):  # after the commit point, files stay
@@ -162,6 +169,11 @@ class SaveProtocol:
                 self.coordinator.record(job.step, decision)
             raise
         self._account(job, written)
+        if self.incremental is not None:  # a checkpoint moved out of the roots is no reference
+            if job.directory is None:
+                self.incremental.committed(p.directory, p.replicated.sizes, written)
+            else:
+                self.incremental.forget()
         try:
             self._drain(job, p, written, bool(drain))
         except Exception as e:  # noqa: BLE001 - committed: the durable tier must not fail the save
@@ -229,8 +241,9 @@ class SaveProtocol:
                 commits = self.coordinator.local_commits()
         own = job.prepared[1]
         unique = (len(own.skeleton), own.sizes) if own is not None and self.nodes is not None else None
+        unchanged = tuple(self.incremental.probe(rep)) if self.incremental is not None else ()
         return Proposal(digest, secrets.token_hex(6), job.step, job.number, [sh.meta for sh in job.shards], commits,
-                        unique, job.directory is not None)
+                        unique, job.directory is not None, unchanged)
 
     def _plan(self, job: SaveJob, proposals: list[Proposal]) -> SavePlan:
         """The plan every rank derives alike from the proposals; or, on every rank alike, why not."""
@@ -260,10 +273,15 @@ class SaveProtocol:
                 "(an optimizer shard, ZeRO/FSDP state) as rank_state"
             )
         rep, own = job.prepared  # type: ignore[misc]
-        return SavePlan(job.step, catalog.step_dir(job.step), first.save_id, self.slots,
-                        redundant_plan(rep.sizes, self.slot_nodes, self.redundancy),
+        reused: list[Reused] = []
+        if self.incremental is not None:
+            unchanged = {u for x in proposals for u in x.unchanged}
+            extents, reused = self.incremental.plan(rep.sizes, unchanged, len(self.slots), first.save_id)
+        else:
+            extents = redundant_plan(rep.sizes, self.slot_nodes, self.redundancy)
+        return SavePlan(job.step, catalog.step_dir(job.step), first.save_id, self.slots, extents,
                         dtensor.assign([x.chunks for x in proposals]), rep, own, self.nodes is not None,
-                        [x.own for x in proposals])
+                        [x.own for x in proposals], reused)
 
     def _check_roots_are_local(self, step: int) -> None:
         """First save on several nodes: every node's leader leaves a token in its first root and
@@ -320,6 +338,9 @@ class SaveProtocol:
     def _account(self, job: SaveJob, written: list[RankReport]) -> None:
         m = job.metrics
         for r in written[self.rank].reports:
+            if r.linked:
+                m.bytes_reused += sum(e.nbytes for e in r.extents)
+                continue
             m.bytes_per_root[r.root] = m.bytes_per_root.get(r.root, 0) + sum(e.nbytes for e in r.extents)
         m.bytes_written = sum(m.bytes_per_root.values())
         m.bytes_total = sum(e.nbytes for w in written for r in w.reports for e in r.extents)

@@ -19,6 +19,7 @@ from typing import Any
 from fastpersist import dtensor
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointWriteError
+from fastpersist.incremental import link_reused
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
 from fastpersist.job import SaveJob
@@ -78,7 +79,6 @@ class RankWriter:
 
     def _write_files(self, job: SaveJob, p: SavePlan) -> RankReport:
         cfg = self._config()
-        rep, own = p.replicated, p.own
         dirs = [os.path.join(root, p.directory) for root in self.roots]
         # the partners' copies first, beside every write of this rank's own: the exchange runs
         # all its rounds whatever happens here, so no rank is left waiting for a message
@@ -115,6 +115,10 @@ class RankWriter:
                 jobs.append((mine, j, os.path.join(dirs[j], f"{p.save_id}-{rep.name}-{s:04d}.bin")))
         if jobs:
             reports += write_slots(rep, jobs, self.backend, cfg)
+        if p.reused and self.rank == 0:  # incremental: the last checkpoint's files, named here too
+            reports += link_reused(p.reused, self.roots, p.directory, self.backend,
+                                   lambda extents, root, path: write_slots(rep, [(extents, root, path)], self.backend,
+                                                                           cfg)[0])
         if self.skeleton_node is not None or (self.rank == 0 and not p.multi_node):
             copy = f"-n{self.skeleton_node:04d}" if self.skeleton_node is not None else ""
             path = os.path.join(dirs[0], f"{p.save_id}-{rep.name}{copy}.skel")

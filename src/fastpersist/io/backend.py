@@ -59,6 +59,9 @@ class FileBackend:
     def before_lock(self, path: str) -> None:
         """Called before the root lock is taken."""
 
+    def before_link(self, root: int, src: str, dst: str) -> None:
+        pass
+
     def before_read(self, path: str, offset: int | None, nbytes: int | None) -> None:
         """Called before a checkpoint file is opened for reading (offset None) and before each
         read request (by reader threads)."""
@@ -106,6 +109,12 @@ class FileBackend:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def link(self, root: int, src: str, dst: str) -> None:
+        """Give the regular file ``src`` the new name ``dst`` (a hard link, same filesystem;
+        ``dst`` must not exist). A ``src`` that is a symbolic link is refused, never followed."""
+        self.before_link(root, src, dst)
+        os.link(src, dst, follow_symlinks=False)
 
     def replace(self, src: str, dst: str) -> None:
         self.before_rename(dst)

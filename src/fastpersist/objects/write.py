@@ -91,6 +91,7 @@ class FileReport:
     size: int
     extents: tuple[PlacedExtent, ...]
     skeleton_checksum: int | None = None  # set for a skeleton file
+    linked: bool = False  # an earlier checkpoint's file given a name in this one (incremental saves)
 
 
 def _placement(prepared: Prepared, extents: Sequence[Extent]) -> tuple[list[Piece], list[tuple[Extent, int]], int]:

@@ -121,7 +121,10 @@ def run(name: str, state: dict[str, Any], update: Callable[[], None], workdir: s
                         if old != os.path.basename(path):
                             os.unlink(os.path.join(dirs[c], old))
                 else:
-                    written = cks[c].save(r, state).metrics.bytes_written
+                    metrics = cks[c].save(r, state).metrics
+                    written = metrics.bytes_written
+                    if r > 0:
+                        out[c].setdefault("probe", []).append(metrics.probe_s)
                 seconds = time.perf_counter() - t0
                 if r > 0:  # round 0 is the warm-up (and incremental's first, full save)
                     out[c]["bytes"].append(written)
@@ -147,8 +150,11 @@ def table(name: str, total: int, out: dict[str, dict[str, list[float]]]) -> str:
     for c, m in out.items():
         if "incremental" in c:
             written = statistics.median(m["bytes"]) / max(1.0, statistics.median(full["bytes"]))
+            probe = [p / t for p, t in zip(m["probe"], m["s"])]
             lines.append(f"- {c} vs full save: time per save {overhead(full['s'], m['s'])}; bytes written "
-                         f"{written:.3f} of full; torch.save's time vs it: {overhead(m['s'], out['torch.save']['s'])}")
+                         f"{written:.3f} of full; finding unchanged units took {median_spread([p * 1e3 for p in m['probe']], 1)}"
+                         f" ms per save, {median_spread([x * 100 for x in probe], 2)}% of its save; torch.save's time "
+                         f"vs it: {overhead(m['s'], out['torch.save']['s'])}")
     lines.append("")
     return "\n".join(lines)
 

@@ -39,6 +39,7 @@ class SaveMetrics:
     step_wait_s: float = 0.0  # time guarded optimizer steps waited for this checkpoint
     write_s: float = 0.0  # this rank's data writes (background)
     replica_check_s: float = 0.0  # hashing the replicated bytes for the cross-rank check
+    probe_s: float = 0.0  # incremental saves: finding this rank's unchanged units (samples, digests)
     total_s: float = 0.0  # from save() to committed
     waited_for_previous: bool = False  # save() waited for an earlier checkpoint (back-pressure)
     skipped: bool = False  # not taken: the previous checkpoint was still in flight

@@ -8,7 +8,8 @@ units (unit ``u`` belongs to rank ``u % world``, so the work is spread like the 
 
 1. a **sample** of the unit (:data:`SAMPLES` 8-byte words at fixed positions) is compared with
    the one taken at the last commit; if it differs, the unit changed (certainly: the same
-   positions hold other bytes) and nothing else is computed. Training that updates every
+   positions hold other bytes) and nothing else is computed. (A unit under
+   :data:`SAMPLE_MIN` bytes goes straight to step 2: hashing it costs less than sampling.) Training that updates every
    parameter changes every sample, so a full-training save pays only for the samples;
 2. if the sample is the same, the unit's **xxh3-128** digest is computed (about 11 GB/s on one
    core here, outside the GIL) and compared with the one taken at the last commit. Equal
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 BLOCK = 4 << 20  # a unit's size by default: what one reuse decision covers
 MIN_BLOCK = 64 << 10  # smaller units would make manifests large and writes small
 SAMPLES = 16  # 8-byte words compared before a unit is hashed
+SAMPLE_MIN = 64 << 10  # a smaller unit is hashed at once (cheaper than taking its sample)
 
 FileKey = tuple[int, str]  # (root, file name in the checkpoint's directory)
 
@@ -133,9 +135,17 @@ class Incremental:
 
     def __init__(self, rank: int, world: int, block: int = BLOCK) -> None:
         self.rank, self.world, self.block = rank, world, block
+        self._units: tuple[tuple[int, ...], list[Unit]] = ((), [])  # the last sizes' units
         self._ref: _Reference | None = None
         self._seen: dict[int, tuple[bytes, int | None]] = {}  # unit -> (sample, digest) at the last commit
         self._pending: dict[int, tuple[bytes, int | None]] = {}  # this save's, adopted at its commit
+
+    def units(self, sizes: Sequence[int]) -> list[Unit]:
+        """:func:`units_of` these sizes (the same every save of one state: kept)."""
+        key = tuple(sizes)
+        if self._units[0] != key:
+            self._units = (key, units_of(key, self.block))
+        return self._units[1]
 
     def probe(self, prepared: Prepared) -> list[int]:
         """Step 1 on this rank: its units that are unchanged since the last commit."""
@@ -143,14 +153,14 @@ class Incremental:
         seen = self._seen if ref is not None else {}
         pending: dict[int, tuple[bytes, int | None]] = {}
         unchanged: list[int] = []
-        units = units_of(prepared.sizes, self.block)
+        units = self.units(prepared.sizes)
         for u in range(self.rank, len(units), self.world):
             unit = units[u]
             storage = prepared.storages[unit.storage]
             if storage.device.type != "cpu":
                 continue
             data = memory_view(storage.data_ptr() + unit.start, unit.nbytes)  # the Prepared keeps it alive
-            sample = _sample(data)
+            sample = _sample(data) if unit.nbytes >= SAMPLE_MIN else b""
             old = seen.get(u)
             if old is not None and old[0] != sample:
                 pending[u] = (sample, None)
@@ -166,7 +176,7 @@ class Incremental:
              ) -> tuple[list[Extent], list[Reused]]:
         """The replicated bytes to write over the slots, and the last checkpoint's files to link.
         Every rank computes the same from the same reference and the union of the probes."""
-        units = units_of(sizes, self.block)
+        units = self.units(sizes)
         ref = self._ref if self._ref is not None and self._ref.sizes == tuple(sizes) else None
         keep = {u for u in unchanged if ref is not None and ref.where[u]}
         while ref is not None and keep:  # link a file only if reuse covers half of it
@@ -193,7 +203,7 @@ class Incremental:
 
     def committed(self, directory: str, sizes: Sequence[int], written: Sequence[RankReport]) -> None:
         """After a commit, on every rank alike: this checkpoint is the next save's reference."""
-        units = units_of(sizes, self.block)
+        units = self.units(sizes)
         first: list[int] = []  # each storage's first unit
         count = 0
         for size in sizes:

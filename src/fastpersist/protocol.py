@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -241,7 +242,11 @@ class SaveProtocol:
                 commits = self.coordinator.local_commits()
         own = job.prepared[1]
         unique = (len(own.skeleton), own.sizes) if own is not None and self.nodes is not None else None
-        unchanged = tuple(self.incremental.probe(rep)) if self.incremental is not None else ()
+        unchanged: tuple[int, ...] = ()
+        if self.incremental is not None:
+            t0 = time.perf_counter()
+            unchanged = tuple(self.incremental.probe(rep))
+            job.metrics.probe_s = time.perf_counter() - t0
         return Proposal(digest, secrets.token_hex(6), job.step, job.number, [sh.meta for sh in job.shards], commits,
                         unique, job.directory is not None, unchanged)
 

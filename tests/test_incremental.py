@@ -311,3 +311,56 @@ def test_faults_in_an_incremental_save_lose_nothing(tmp_path, case):
         for name in os.listdir(r):
             if name.startswith("step-"):
                 assert os.path.exists(os.path.join(roots[0], name, "manifest.json")), name
+
+
+def _fsdp_frozen_base(rank: int, world: int, root: str, links_fail_on: int | None = None) -> dict:
+    """FSDP2 over 2 ranks: a frozen 256x256 base layer (DTensor shards) and a trained head."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers import gathered
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    m[0].requires_grad_(False)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (m[0], m[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    reused, expected = [], {}
+    faults = [Fault("link", errno.EXDEV, at=0)] if links_fail_on == rank else []
+    with Checkpointer(root, incremental=True, mode="snapshot", backend=FaultyBackend(faults)) as ck:
+        for step in range(1, 4):
+            m(torch.randn(4, 256, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            h = ck.save(step, {"model": m, "optim": opt})
+            h.wait()
+            reused.append(h.metrics.bytes_reused)
+            expected[step] = gathered({"model": m.state_dict(), "optim": opt.state_dict()})
+        for step in (2, 3):
+            assert_state_equal(gathered(ck.load(step)), expected[step], layout=False)
+    return {"reused": reused, "expected": expected[3]}
+
+
+def test_fsdp2_frozen_shards_are_reused_and_reshard(tmp_path):
+    root = str(tmp_path / "root")
+    out = run_ranks(tmp_path, 2, _fsdp_frozen_base, root)
+    for r in out:  # each rank links its own file holding its frozen shards, from the second save on
+        assert r["reused"][0] == 0 and r["reused"][1] >= 128 * 256 * 4 and r["reused"][2] == r["reused"][1]
+    assert fp.open(root).verify(3) == []
+    whole = fp.open(root).load(3)  # one process: the DTensors come back whole
+    flat = {k: v for k, v in out[0]["expected"].items()}
+    from helpers import gathered
+    assert_state_equal(gathered(whole), flat, layout=False)
+
+
+def test_fsdp2_shards_whose_links_fail_are_written_by_their_holder(tmp_path):
+    root = str(tmp_path / "root")
+    out = run_ranks(tmp_path, 2, _fsdp_frozen_base, root, 1)
+    assert out[0]["reused"][1] >= 128 * 256 * 4 and out[1]["reused"] == [0, 0, 0]
+    assert fp.open(root).verify(3) == []
+    from helpers import gathered
+    assert_state_equal(gathered(fp.open(root).load(3)), out[0]["expected"], layout=False)

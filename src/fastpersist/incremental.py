@@ -34,24 +34,30 @@ they are written again), so the space held by stale bytes is bounded. When a lin
 made (the last checkpoint was removed meanwhile, a filesystem without hard links), rank 0
 writes those units instead: the save never fails for it.
 
-Scope: the replicated state of a job on one node (or roots on one shared filesystem); host
-memory only (a unit in device memory is always written); ``rank_state`` and DTensor chunks
-are always written. The reference is the last checkpoint this Checkpointer committed into its
+**DTensor chunks** (FSDP2, tensor parallel) are units of their own, whole: each holder probes
+the chunks it holds; a chunk is reused only if every holder found it unchanged, and the file
+holding it is linked by the rank that wrote it (which holds the chunk, and writes it again if
+the link fails).
+
+Scope: a job on one node (or roots on one shared filesystem); host memory only (a unit in
+device memory is always written); ``rank_state`` is always written. The reference is the last checkpoint this Checkpointer committed into its
 roots with the same storage sizes; the first save of a process writes everything.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import xxhash
 
+from fastpersist.dtensor import Layout, LocalShard
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import memory_view
@@ -69,6 +75,8 @@ SAMPLES = 16  # 8-byte words compared before a unit is hashed
 SAMPLE_MIN = 64 << 10  # a smaller unit is hashed at once (cheaper than taking its sample)
 
 FileKey = tuple[int, str]  # (root, file name in the checkpoint's directory)
+ChunkKey = tuple[tuple[str | int, ...], tuple[int, ...], tuple[int, ...]]  # a DTensor chunk: (path, offsets, sizes)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,12 +111,17 @@ def block_size(incremental: bool | int) -> int | None:
 class Reused:
     """A file of the last checkpoint given a name in the new one, and the extents it serves."""
 
+    object: str  # mf.REPLICATED or mf.SHARDED
+    rank: int  # who links it (and writes its extents if it cannot): rank 0, or the chunks' writer
     root: int
     directory: str  # the last checkpoint's directory in that root
     source: str  # the file's name there
     name: str  # its name in the new checkpoint
     size: int
-    extents: tuple[PlacedExtent, ...]
+    extents: tuple[PlacedExtent, ...]  # for a sharded file, ``storage`` is the chunk's index in the new layout
+
+
+Where = list[tuple[FileKey, PlacedExtent]]
 
 
 @dataclass(frozen=True)
@@ -117,8 +130,31 @@ class _Reference:
 
     directory: str
     sizes: tuple[int, ...]
-    files: dict[FileKey, int]  # size of every replicated data file
-    where: list[list[tuple[FileKey, PlacedExtent]]]  # per unit, the extents holding its bytes
+    files: dict[FileKey, tuple[int, int]]  # every data file that can be reused: (size, its writer rank)
+    where: list[Where]  # per replicated unit, the extents holding its bytes
+    chunks: dict[ChunkKey, Where]  # per DTensor chunk, the extents holding its bytes
+
+
+def _keep(candidates: dict[T, Where], files: dict[FileKey, tuple[int, int]]) -> set[T]:
+    """The candidates whose files are worth linking: a file is linked only if the reused
+    extents cover at least half of it (else its stale bytes would be kept for little)."""
+    keep = set(candidates)
+    while keep:
+        served: dict[FileKey, int] = defaultdict(int)
+        for c in keep:
+            for key, e in candidates[c]:
+                served[key] += e.nbytes
+        poor = {key for key, n in served.items() if 2 * n < files[key][0]}
+        if not poor:
+            break
+        keep = {c for c in keep if not any(key in poor for key, _ in candidates[c])}
+    return keep
+
+
+def _reused(obj: str, ref: _Reference, save_id: str, served: dict[FileKey, list[PlacedExtent]],
+            rank: Callable[[FileKey], int]) -> list[Reused]:
+    return [Reused(obj, rank(key), key[0], ref.directory, key[1], f"{save_id}-{obj}-reused-{k:04d}.bin",
+                   ref.files[key][0], tuple(served[key])) for k, key in enumerate(sorted(served))]
 
 
 def _sample(data: memoryview) -> bytes:
@@ -137,8 +173,9 @@ class Incremental:
         self.rank, self.world, self.block = rank, world, block
         self._units: tuple[tuple[int, ...], list[Unit]] = ((), [])  # the last sizes' units
         self._ref: _Reference | None = None
-        self._seen: dict[int, tuple[bytes, int | None]] = {}  # unit -> (sample, digest) at the last commit
-        self._pending: dict[int, tuple[bytes, int | None]] = {}  # this save's, adopted at its commit
+        # (sample, digest) at the last commit, of this rank's units and of the chunks it holds
+        self._seen: dict[int | ChunkKey, tuple[bytes, int | None]] = {}
+        self._pending: dict[int | ChunkKey, tuple[bytes, int | None]] = {}  # this save's, adopted at its commit
 
     def units(self, sizes: Sequence[int]) -> list[Unit]:
         """:func:`units_of` these sizes (the same every save of one state: kept)."""
@@ -147,12 +184,25 @@ class Incremental:
             self._units = (key, units_of(key, self.block))
         return self._units[1]
 
-    def probe(self, prepared: Prepared) -> list[int]:
-        """Step 1 on this rank: its units that are unchanged since the last commit."""
-        ref = self._ref if self._ref is not None and self._ref.sizes == tuple(prepared.sizes) else None
-        seen = self._seen if ref is not None else {}
-        pending: dict[int, tuple[bytes, int | None]] = {}
-        unchanged: list[int] = []
+    def _unchanged(self, key: int | ChunkKey, data: memoryview, seen: Mapping[int | ChunkKey, tuple[bytes, int | None]],
+                   pending: dict[int | ChunkKey, tuple[bytes, int | None]]) -> bool:
+        """Whether ``data`` equals what ``key`` held at the last commit (sample, then digest)."""
+        sample = _sample(data) if len(data) >= SAMPLE_MIN else b""
+        old = seen.get(key)
+        if old is not None and old[0] != sample:
+            pending[key] = (sample, None)
+            return False
+        digest = xxhash.xxh3_128_intdigest(data)
+        pending[key] = (sample, digest)
+        return old is not None and old[1] == digest
+
+    def probe(self, prepared: Prepared, shards: Sequence[LocalShard] = ()) -> tuple[list[int], list[ChunkKey]]:
+        """Step 1 on this rank: its replicated units, and the DTensor chunks it holds, that are
+        unchanged since the last commit."""
+        ref = self._ref
+        same = ref is not None and ref.sizes == tuple(prepared.sizes)
+        pending: dict[int | ChunkKey, tuple[bytes, int | None]] = {}
+        units_out: list[int] = []
         units = self.units(prepared.sizes)
         for u in range(self.rank, len(units), self.world):
             unit = units[u]
@@ -160,48 +210,60 @@ class Incremental:
             if storage.device.type != "cpu":
                 continue
             data = memory_view(storage.data_ptr() + unit.start, unit.nbytes)  # the Prepared keeps it alive
-            sample = _sample(data) if unit.nbytes >= SAMPLE_MIN else b""
-            old = seen.get(u)
-            if old is not None and old[0] != sample:
-                pending[u] = (sample, None)
+            if self._unchanged(u, data, self._seen if same else {}, pending) and ref is not None and ref.where[u]:
+                units_out.append(u)
+        chunks_out: list[ChunkKey] = []
+        for sh in shards:
+            key = (sh.meta.path, sh.meta.offsets, sh.meta.sizes)
+            if sh.tensor.device.type != "cpu" or not sh.meta.nbytes or not sh.tensor.is_contiguous():
                 continue
-            digest = xxhash.xxh3_128_intdigest(data)
-            pending[u] = (sample, digest)
-            if old is not None and old[1] == digest and ref is not None and ref.where[u]:
-                unchanged.append(u)
+            data = memory_view(sh.tensor.data_ptr(), sh.meta.nbytes)  # the job keeps it alive
+            if self._unchanged(key, data, self._seen, pending) and ref is not None and key in ref.chunks:
+                chunks_out.append(key)
         self._pending = pending
-        return unchanged
+        return units_out, chunks_out
 
     def plan(self, sizes: Sequence[int], unchanged: set[int], slots: int, save_id: str
              ) -> tuple[list[Extent], list[Reused]]:
-        """The replicated bytes to write over the slots, and the last checkpoint's files to link.
-        Every rank computes the same from the same reference and the union of the probes."""
+        """The replicated bytes to write over the slots, and the last checkpoint's files to link
+        (by rank 0). Every rank computes the same from the same reference and the union of the
+        probes."""
         units = self.units(sizes)
         ref = self._ref if self._ref is not None and self._ref.sizes == tuple(sizes) else None
-        keep = {u for u in unchanged if ref is not None and ref.where[u]}
-        while ref is not None and keep:  # link a file only if reuse covers half of it
-            served: dict[FileKey, int] = defaultdict(int)
-            for u in keep:
-                for key, e in ref.where[u]:
-                    served[key] += e.nbytes
-            poor = {key for key, n in served.items() if 2 * n < ref.files[key]}
-            if not poor:
-                break
-            keep = {u for u in keep if not any(key in poor for key, _ in ref.where[u])}
+        keep = _keep({u: ref.where[u] for u in unchanged if ref.where[u]}, ref.files) if ref is not None else set()
         virtual = [0 if u in keep else unit.nbytes for u, unit in enumerate(units)]
         extents = [Extent(units[e.storage].storage, units[e.storage].start + e.start, e.nbytes, e.slot)
                    for e in plan(virtual, slots)]
         if ref is None or not keep:
             return extents, []
-        by_file: dict[FileKey, list[PlacedExtent]] = defaultdict(list)
+        served: dict[FileKey, list[PlacedExtent]] = defaultdict(list)
         for u in sorted(keep):
             for key, e in ref.where[u]:
-                by_file[key].append(e)
-        reused = [Reused(key[0], ref.directory, key[1], f"{save_id}-{mf.REPLICATED}-reused-{k:04d}.bin",
-                         ref.files[key], tuple(by_file[key])) for k, key in enumerate(sorted(by_file))]
-        return extents, reused
+                served[key].append(e)
+        return extents, _reused(mf.REPLICATED, ref, save_id, served, lambda key: 0)
 
-    def committed(self, directory: str, sizes: Sequence[int], written: Sequence[RankReport]) -> None:
+    def plan_chunks(self, layout: Layout, unchanged: Sequence[set[ChunkKey]], save_id: str
+                    ) -> tuple[Layout, list[Reused]]:
+        """The layout without the chunks every holder found unchanged, and the last checkpoint's
+        files holding them (each linked by the rank that wrote it, which holds those chunks)."""
+        ref = self._ref
+        if ref is None:
+            return layout, []
+        keys = [(m.path, m.offsets, m.sizes) for m in layout.chunks]
+        candidates = {c: ref.chunks[k] for c, k in enumerate(keys)
+                      if k in ref.chunks and all(k in unchanged[r] for r in layout.holders[c])}
+        keep = _keep(candidates, ref.files)
+        if not keep:
+            return layout, []
+        served: dict[FileKey, list[PlacedExtent]] = defaultdict(list)
+        for c in sorted(keep):
+            for key, e in ref.chunks[keys[c]]:
+                served[key].append(dataclasses.replace(e, storage=c))
+        pieces = [x for x in layout.pieces if x.chunk not in keep]
+        return (Layout(layout.tensors, layout.chunks, pieces, layout.holders),
+                _reused(mf.SHARDED, ref, save_id, served, lambda key: ref.files[key][1]))
+
+    def committed(self, directory: str, sizes: Sequence[int], layout: Layout, written: Sequence[RankReport]) -> None:
         """After a commit, on every rank alike: this checkpoint is the next save's reference."""
         units = self.units(sizes)
         first: list[int] = []  # each storage's first unit
@@ -209,16 +271,21 @@ class Incremental:
         for size in sizes:
             first.append(count)
             count += -(-size // self.block)
-        where: list[list[tuple[FileKey, PlacedExtent]]] = [[] for _ in units]
-        files: dict[FileKey, int] = {}
-        for w in written:
+        where: list[Where] = [[] for _ in units]
+        chunks: dict[ChunkKey, Where] = defaultdict(list)
+        keys = [(m.path, m.offsets, m.sizes) for m in layout.chunks]
+        files: dict[FileKey, tuple[int, int]] = {}
+        for rank, w in enumerate(written):
             for r in w.reports:
-                if r.object != mf.REPLICATED or r.skeleton_checksum is not None:
+                if r.skeleton_checksum is not None or r.object not in (mf.REPLICATED, mf.SHARDED):
                     continue
-                files[(r.root, r.name)] = r.size
+                files[(r.root, r.name)] = (r.size, rank)
                 for e in r.extents:
-                    where[first[e.storage] + e.start // self.block].append(((r.root, r.name), e))
-        self._ref = _Reference(directory, tuple(sizes), files, where)
+                    if r.object == mf.REPLICATED:
+                        where[first[e.storage] + e.start // self.block].append(((r.root, r.name), e))
+                    else:
+                        chunks[keys[e.storage]].append(((r.root, r.name), e))
+        self._ref = _Reference(directory, tuple(sizes), files, where, dict(chunks))
         self._seen, self._pending = self._pending, {}
 
     def forget(self) -> None:
@@ -228,10 +295,10 @@ class Incremental:
 
 
 def link_reused(reused: Sequence[Reused], roots: Sequence[str], directory: str, backend: FileBackend,
-                write: Callable[[list[Extent], int, str], FileReport]) -> list[FileReport]:
-    """Rank 0, in step 2: give each file of ``reused`` its name in the new checkpoint. A file
-    that cannot be linked (gone, not the size it had, a filesystem without hard links) has its
-    units written instead by ``write(extents, root, path)``."""
+                write: Callable[[Reused, str], FileReport]) -> list[FileReport]:
+    """Step 2 on the rank each file names: give each file of ``reused`` its name in the new
+    checkpoint. A file that cannot be linked (gone, not the size it had, a filesystem without
+    hard links) has its extents written instead, by ``write(reused, path)``."""
     out: list[FileReport] = []
     for r in reused:
         src = os.path.join(roots[r.root], r.directory, r.source)
@@ -241,10 +308,9 @@ def link_reused(reused: Sequence[Reused], roots: Sequence[str], directory: str, 
             if not stat.S_ISREG(st.st_mode) or st.st_size != r.size:
                 raise OSError(f"{src} is no longer the file the last checkpoint wrote")
             backend.link(r.root, src, dst)
-            out.append(FileReport(mf.REPLICATED, r.root, r.name, r.size, r.extents, linked=True))
+            out.append(FileReport(r.object, r.root, r.name, r.size, r.extents, linked=True))
         except OSError as e:
             logger.info("incremental checkpoint: cannot reuse %s (%s); writing its %d extent(s) again",
                         src, e.strerror or e, len(r.extents))
-            extents = [Extent(x.storage, x.start, x.nbytes, 0) for x in r.extents]
-            out.append(write(extents, r.root, dst))
+            out.append(write(r, dst))
     return out

@@ -46,7 +46,7 @@ from fastpersist.replicas import check_replicas, check_replicated_chunks
 
 if TYPE_CHECKING:
     from fastpersist.coordinator import Coordinator, Decision
-    from fastpersist.incremental import Incremental, Reused
+    from fastpersist.incremental import ChunkKey, Incremental, Reused
     from fastpersist.rank_writer import RankWriter
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Proposal:
     own: tuple[int, list[int]] | None = None  # several nodes: its rank_state's skeleton length and storage sizes
     publish: bool = False  # save(directory=...) on this rank
     unchanged: tuple[int, ...] = ()  # incremental saves: this rank's units unchanged since the last commit
+    unchanged_chunks: tuple[ChunkKey, ...] = ()  # and the DTensor chunks it holds that are unchanged
 
 
 @dataclass
@@ -172,7 +173,7 @@ class SaveProtocol:
         self._account(job, written)
         if self.incremental is not None:  # a checkpoint moved out of the roots is no reference
             if job.directory is None:
-                self.incremental.committed(p.directory, p.replicated.sizes, written)
+                self.incremental.committed(p.directory, p.replicated.sizes, p.layout, written)
             else:
                 self.incremental.forget()
         try:
@@ -242,13 +243,13 @@ class SaveProtocol:
                 commits = self.coordinator.local_commits()
         own = job.prepared[1]
         unique = (len(own.skeleton), own.sizes) if own is not None and self.nodes is not None else None
-        unchanged: tuple[int, ...] = ()
+        unchanged: tuple[list[int], list[ChunkKey]] = ([], [])
         if self.incremental is not None:
             t0 = time.perf_counter()
-            unchanged = tuple(self.incremental.probe(rep))
+            unchanged = self.incremental.probe(rep, job.shards)
             job.metrics.probe_s = time.perf_counter() - t0
         return Proposal(digest, secrets.token_hex(6), job.step, job.number, [sh.meta for sh in job.shards], commits,
-                        unique, job.directory is not None, unchanged)
+                        unique, job.directory is not None, tuple(unchanged[0]), tuple(unchanged[1]))
 
     def _plan(self, job: SaveJob, proposals: list[Proposal]) -> SavePlan:
         """The plan every rank derives alike from the proposals; or, on every rank alike, why not."""
@@ -278,15 +279,18 @@ class SaveProtocol:
                 "(an optimizer shard, ZeRO/FSDP state) as rank_state"
             )
         rep, own = job.prepared  # type: ignore[misc]
+        layout = dtensor.assign([x.chunks for x in proposals])
         reused: list[Reused] = []
         if self.incremental is not None:
             unchanged = {u for x in proposals for u in x.unchanged}
             extents, reused = self.incremental.plan(rep.sizes, unchanged, len(self.slots), first.save_id)
+            layout, chunks = self.incremental.plan_chunks(layout, [set(x.unchanged_chunks) for x in proposals],
+                                                          first.save_id)
+            reused += chunks
         else:
             extents = redundant_plan(rep.sizes, self.slot_nodes, self.redundancy)
-        return SavePlan(job.step, catalog.step_dir(job.step), first.save_id, self.slots, extents,
-                        dtensor.assign([x.chunks for x in proposals]), rep, own, self.nodes is not None,
-                        [x.own for x in proposals], reused)
+        return SavePlan(job.step, catalog.step_dir(job.step), first.save_id, self.slots, extents, layout, rep, own,
+                        self.nodes is not None, [x.own for x in proposals], reused)
 
     def _check_roots_are_local(self, step: int) -> None:
         """First save on several nodes: every node's leader leaves a token in its first root and

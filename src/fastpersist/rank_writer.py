@@ -19,7 +19,7 @@ from typing import Any
 from fastpersist import dtensor
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointWriteError
-from fastpersist.incremental import link_reused
+from fastpersist.incremental import Reused, link_reused
 from fastpersist.format import manifest as mf
 from fastpersist.io.backend import FileBackend
 from fastpersist.job import SaveJob
@@ -115,10 +115,10 @@ class RankWriter:
                 jobs.append((mine, j, os.path.join(dirs[j], f"{p.save_id}-{rep.name}-{s:04d}.bin")))
         if jobs:
             reports += write_slots(rep, jobs, self.backend, cfg)
-        if p.reused and self.rank == 0:  # incremental: the last checkpoint's files, named here too
-            reports += link_reused(p.reused, self.roots, p.directory, self.backend,
-                                   lambda extents, root, path: write_slots(rep, [(extents, root, path)], self.backend,
-                                                                           cfg)[0])
+        linking = [r for r in p.reused if r.rank == self.rank]
+        if linking:  # incremental: the last checkpoint's files, named here too
+            reports += link_reused(linking, self.roots, p.directory, self.backend,
+                                   lambda r, path: self._write_again(p, job.shards, r, path, cfg))
         if self.skeleton_node is not None or (self.rank == 0 and not p.multi_node):
             copy = f"-n{self.skeleton_node:04d}" if self.skeleton_node is not None else ""
             path = os.path.join(dirs[0], f"{p.save_id}-{rep.name}{copy}.skel")
@@ -156,6 +156,24 @@ class RankWriter:
             return pool.submit(lambda: copies_exchange(exchange, sender, to, receivers))
         finally:
             pool.shutdown(wait=False)
+
+    def _write_again(self, p: SavePlan, shards: list[dtensor.LocalShard], r: Reused, path: str,
+                     cfg: IOConfig) -> FileReport:
+        """An incremental save's reused extents whose file could not be linked, written into a
+        new file at ``path`` (this rank holds their bytes: rank 0 the replicated state, a
+        chunk's writer the chunk)."""
+        if r.object == mf.REPLICATED:
+            extents = [Extent(x.storage, x.start, x.nbytes, 0) for x in r.extents]
+            return write_slots(p.replicated, [(extents, r.root, path)], self.backend, cfg)[0]
+        local = {(sh.meta.path, sh.meta.offsets, sh.meta.sizes): sh.tensor for sh in shards}
+        chunks = sorted({x.storage for x in r.extents})
+        tensors = [local[(p.layout.chunks[c].path, p.layout.chunks[c].offsets, p.layout.chunks[c].sizes)]
+                   for c in chunks]
+        index = {c: i for i, c in enumerate(chunks)}
+        [report] = write_chunks(mf.SHARDED, tensors, [(index[x.storage], x.start, x.nbytes) for x in r.extents],
+                                [(r.root, path)], self.backend, cfg)
+        return dataclasses.replace(report, extents=tuple(dataclasses.replace(e, storage=chunks[e.storage])
+                                                         for e in report.extents))
 
     def _write_shards(self, p: SavePlan, shards: list[dtensor.LocalShard], cfg: IOConfig) -> list[FileReport]:
         """Write this rank's pieces of the distinct chunks, balanced over the roots; in the

@@ -4,13 +4,14 @@ another one needs."""
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import shutil
 
 import pytest
 import torch
-from helpers import assert_state_equal, run_ranks
+from helpers import assert_state_equal, gathered, run_ranks
 
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer
@@ -147,7 +148,7 @@ def test_a_link_that_fails_is_written_instead(tmp_path):
     state = lora()
     with Checkpointer(str(tmp_path), incremental=True, mode="sync", backend=backend) as ck:
         ck.save(1, state).wait()
-        backend.arm([Fault("link", errno.EXDEV, at=0)])
+        backend.arm([Fault("link", errno.EIO, at=0)])
         state["adapter"] += 1
         m = ck.save(2, state).metrics
         assert backend.fired and m.bytes_reused == 0 and m.bytes_written >= 16 * MiB
@@ -156,6 +157,25 @@ def test_a_link_that_fails_is_written_instead(tmp_path):
         state["adapter"] += 1
         assert ck.save(3, state).metrics.bytes_reused == 16 * MiB
         assert_state_equal(ck.load(3), state)
+
+
+def test_a_filesystem_without_hard_links_turns_incremental_off(tmp_path, caplog):
+    """EXDEV/EPERM from link(): every later save writes everything (never the linking rank alone
+    writing the reused bytes save after save), and says so once."""
+    backend = FaultyBackend()
+    state = lora()
+    with Checkpointer(str(tmp_path), incremental=True, mode="sync", backend=backend) as ck:
+        ck.save(1, state).wait()
+        backend.arm([Fault("link", errno.EXDEV, at=0)])
+        with caplog.at_level("WARNING", logger="fastpersist"):
+            for step in (2, 3, 4):
+                state["adapter"] += 1
+                m = ck.save(step, state).metrics
+                assert m.bytes_reused == 0 and m.bytes_written >= 16 * MiB
+                assert (m.probe_s == 0.0) == (step > 2)  # nothing hashed once off
+        assert len(backend.fired) == 1  # no link tried after the refusal
+        assert sum("incremental checkpoints are off" in r.message for r in caplog.records) == 1
+        assert_state_equal(ck.load(4), state)
 
 
 def test_the_last_checkpoint_removed_before_the_next_save(tmp_path):
@@ -241,7 +261,15 @@ def test_units_cover_every_byte():
         assert [u.start for u in mine] == list(range(0, size, BLOCK))
     inc = Incremental(0, 1)
     extents, reused = inc.plan(sizes, set(), 3, "id")
-    assert reused == [] and sum(e.nbytes for e in extents) == sum(sizes)
+    assert reused == []
+    for s, size in enumerate(sizes):  # the extents of each storage tile it, in storage coordinates
+        pos = 0
+        for e in sorted((e for e in extents if e.storage == s), key=lambda e: e.start):
+            assert e.start == pos and e.nbytes > 0
+            pos = e.end
+        assert pos == size
+    kept, _ = inc.plan(sizes, {1, 2}, 3, "id")  # without a reference nothing is reused
+    assert sorted((e.storage, e.start, e.nbytes) for e in kept) == sorted((e.storage, e.start, e.nbytes) for e in extents)
 
 
 def _two_ranks(rank: int, world: int, root: str) -> list[int]:
@@ -318,7 +346,6 @@ def _fsdp_frozen_base(rank: int, world: int, root: str, links_fail_on: int | Non
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from helpers import gathered
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
@@ -330,7 +357,7 @@ def _fsdp_frozen_base(rank: int, world: int, root: str, links_fail_on: int | Non
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
     g = torch.Generator().manual_seed(rank)
     reused, expected = [], {}
-    faults = [Fault("link", errno.EXDEV, at=0)] if links_fail_on == rank else []
+    faults = [Fault("link", errno.EIO, at=0)] if links_fail_on == rank else []
     with Checkpointer(root, incremental=True, mode="snapshot", backend=FaultyBackend(faults)) as ck:
         for step in range(1, 4):
             m(torch.randn(4, 256, generator=g)).sum().backward()
@@ -353,7 +380,6 @@ def test_fsdp2_frozen_shards_are_reused_and_reshard(tmp_path):
     assert fp.open(root).verify(3) == []
     whole = fp.open(root).load(3)  # one process: the DTensors come back whole
     flat = {k: v for k, v in out[0]["expected"].items()}
-    from helpers import gathered
     assert_state_equal(gathered(whole), flat, layout=False)
 
 
@@ -362,5 +388,94 @@ def test_fsdp2_shards_whose_links_fail_are_written_by_their_holder(tmp_path):
     out = run_ranks(tmp_path, 2, _fsdp_frozen_base, root, 1)
     assert out[0]["reused"][1] >= 128 * 256 * 4 and out[1]["reused"] == [0, 0, 0]
     assert fp.open(root).verify(3) == []
-    from helpers import gathered
     assert_state_equal(gathered(fp.open(root).load(3)), out[0]["expected"], layout=False)
+
+
+def _mixed(rank: int, world: int, root: str) -> str:
+    with Checkpointer(root, incremental=rank == 0, mode="sync") as ck:
+        try:
+            ck.save(1, {"w": torch.ones(10)}).wait()
+        except fp.CheckpointWriteError as e:
+            return str(e)
+    return "saved"
+
+
+def test_ranks_that_disagree_on_incremental_are_refused(tmp_path):
+    out = run_ranks(tmp_path, 2, _mixed, str(tmp_path / "root"))
+    assert all("disagree on incremental=" in m for m in out), out
+    assert fp.open(str(tmp_path / "root")).list() == []
+
+
+def test_a_manifest_readers_would_refuse_is_never_committed(tmp_path, monkeypatch):
+    import fastpersist.format.manifest as mf
+
+    g = torch.Generator().manual_seed(5)
+    state = {"emb": torch.randn(4 * 1024 * 1024, generator=g)}  # 16 MiB: 256 units of 64 KiB
+    with Checkpointer(str(tmp_path), incremental=64 * 1024, mode="sync") as ck:
+        ck.save(1, {"w": torch.ones(10)}).wait()
+        monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", 16 * 1024)
+        with pytest.raises(fp.CheckpointWriteError, match="manifest would be .* bytes, and readers accept at most"):
+            ck.save(2, state).wait()
+        monkeypatch.undo()
+        assert [i.step for i in ck.list()] == [1]
+        assert_state_equal(ck.load(1), {"w": torch.ones(10)})
+
+
+def test_a_very_large_state_gets_larger_units(monkeypatch):
+    import fastpersist.incremental as inc_mod
+
+    monkeypatch.setattr(inc_mod, "MAX_UNITS", 64)
+    inc = Incremental(0, 1, 64 * 1024)
+    units = inc.units([64 * MiB])
+    assert len(units) <= 64 and all(u.nbytes == MiB for u in units)
+    extents, _ = inc.plan([64 * MiB], set(), 2, "id")
+    assert sum(e.nbytes for e in extents) == 64 * MiB
+
+
+def test_every_holder_must_find_a_chunk_unchanged():
+    from fastpersist import dtensor
+    from fastpersist.incremental import _Reference
+    from fastpersist.objects.write import PlacedExtent
+
+    meta = dtensor.ChunkMeta(("w",), "float32", (64, 64), (0, 0), (64, 64))
+    key = (meta.path, meta.offsets, meta.sizes)
+    layout = dtensor.assign([[meta], [meta]])  # held by ranks 0 and 1 (a replicated shard)
+    inc = Incremental(0, 2)
+
+    def reference(writer: int) -> _Reference:
+        return _Reference("step-00000001", (), {(0, "f.bin"): (meta.nbytes, writer)}, [],
+                          {key: [((0, "f.bin"), PlacedExtent(0, 0, meta.nbytes, 0, 7))]})
+
+    inc._ref = reference(1)
+    assert inc.plan_chunks(layout, [{key}, set()], "id")[1] == []  # rank 1 saw a change
+    new_layout, reused = inc.plan_chunks(layout, [{key}, {key}], "id")
+    assert [(r.rank, r.source) for r in reused] == [(1, "f.bin")] and new_layout.pieces == []
+    inc._ref = reference(3)  # written by a rank that no longer holds it: written again, never linked
+    assert inc.plan_chunks(layout, [{key}, {key}], "id")[1] == []
+
+
+def test_overlap_mode_writes_guarded_tensors_from_live_memory_exactly(tmp_path):
+    """A protected optimizer's tensors are written from live memory (not copied) while the
+    next steps run; the frozen base is reused, the adapter and its state are written."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(1024, 1024)  # 4 MiB, frozen
+    base.requires_grad_(False)
+    adapter = torch.nn.Linear(1024, 16)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=1e-2)
+    seen = {}
+    with Checkpointer(str(tmp_path), incremental=True, mode="overlap") as ck:
+        ck.protect(opt)
+        handles = []
+        for step in range(1, 5):
+            adapter(base(torch.randn(8, 1024))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            handles.append(ck.save(step, {"base": base.state_dict(), "adapter": adapter, "optim": opt}))
+            seen[step] = {"base": {k: v.clone() for k, v in base.state_dict().items()},
+                          "adapter": {k: v.clone() for k, v in adapter.state_dict().items()},
+                          "optim": copy.deepcopy(opt.state_dict())}
+        for h in handles:
+            h.wait()
+        assert handles[-1].metrics.bytes_reused >= base.weight.nbytes
+        for step, expected in seen.items():
+            assert_state_equal(gathered(ck.load(step)), gathered(expected), layout=False)

@@ -47,6 +47,7 @@ roots with the same storage sizes; the first save of a process writes everything
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import stat
@@ -71,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 4 << 20  # a unit's size by default: what one reuse decision covers
 MIN_BLOCK = 64 << 10  # smaller units would make manifests large and writes small
+MAX_UNITS = 1 << 18  # beyond, units grow (a manifest stays far below what readers accept: ~90 bytes a unit)
 SAMPLES = 16  # 8-byte words compared before a unit is hashed
 SAMPLE_MIN = 64 << 10  # a smaller unit is hashed at once (cheaper than taking its sample)
 
@@ -172,17 +174,38 @@ class Incremental:
     def __init__(self, rank: int, world: int, block: int = BLOCK) -> None:
         self.rank, self.world, self.block = rank, world, block
         self._units: tuple[tuple[int, ...], list[Unit]] = ((), [])  # the last sizes' units
+        self._unit_block = block  # their size (larger than ``block`` for a very large state)
+        self.disabled = False  # the filesystem refused hard links
         self._ref: _Reference | None = None
         # (sample, digest) at the last commit, of this rank's units and of the chunks it holds
         self._seen: dict[int | ChunkKey, tuple[bytes, int | None]] = {}
         self._pending: dict[int | ChunkKey, tuple[bytes, int | None]] = {}  # this save's, adopted at its commit
 
     def units(self, sizes: Sequence[int]) -> list[Unit]:
-        """:func:`units_of` these sizes (the same every save of one state: kept)."""
+        """:func:`units_of` these sizes (the same every save of one state: kept). A state that
+        would have more than MAX_UNITS units gets larger ones (every rank alike)."""
         key = tuple(sizes)
         if self._units[0] != key:
-            self._units = (key, units_of(key, self.block))
+            per_unit = -(-sum(key) // MAX_UNITS)
+            block = max(self.block, -(-per_unit // 4096) * 4096)
+            if block != self.block:
+                logger.info("incremental checkpoint: units of %d bytes for this %d-byte state (at most %d units)",
+                            block, sum(key), MAX_UNITS)
+            self._units = (key, units_of(key, block))
+            self._unit_block = block
         return self._units[1]
+
+    @property
+    def has_reference(self) -> bool:
+        return self._ref is not None and not self.disabled
+
+    def disable(self, why: str) -> None:
+        """Every rank alike, once a link was refused by the filesystem: saves write everything."""
+        if not self.disabled and self.rank == 0:
+            logger.warning("incremental checkpoints are off for this Checkpointer: %s; every save writes all its "
+                           "bytes from now on", why)
+        self.disabled = True
+        self.forget()
 
     def _unchanged(self, key: int | ChunkKey, data: memoryview, seen: Mapping[int | ChunkKey, tuple[bytes, int | None]],
                    pending: dict[int | ChunkKey, tuple[bytes, int | None]]) -> bool:
@@ -199,6 +222,8 @@ class Incremental:
     def probe(self, prepared: Prepared, shards: Sequence[LocalShard] = ()) -> tuple[list[int], list[ChunkKey]]:
         """Step 1 on this rank: its replicated units, and the DTensor chunks it holds, that are
         unchanged since the last commit."""
+        if self.disabled:
+            return [], []
         ref = self._ref
         same = ref is not None and ref.sizes == tuple(prepared.sizes)
         pending: dict[int | ChunkKey, tuple[bytes, int | None]] = {}
@@ -229,7 +254,7 @@ class Incremental:
         (by rank 0). Every rank computes the same from the same reference and the union of the
         probes."""
         units = self.units(sizes)
-        ref = self._ref if self._ref is not None and self._ref.sizes == tuple(sizes) else None
+        ref = self._ref if self._ref is not None and self._ref.sizes == tuple(sizes) and not self.disabled else None
         keep = _keep({u: ref.where[u] for u in unchanged if ref.where[u]}, ref.files) if ref is not None else set()
         virtual = [0 if u in keep else unit.nbytes for u, unit in enumerate(units)]
         extents = [Extent(units[e.storage].storage, units[e.storage].start + e.start, e.nbytes, e.slot)
@@ -247,11 +272,14 @@ class Incremental:
         """The layout without the chunks every holder found unchanged, and the last checkpoint's
         files holding them (each linked by the rank that wrote it, which holds those chunks)."""
         ref = self._ref
-        if ref is None:
+        if ref is None or self.disabled:
             return layout, []
         keys = [(m.path, m.offsets, m.sizes) for m in layout.chunks]
+        # reused only if every holder found it unchanged, and every file holding it was written
+        # by a rank that still holds it (that rank links the file, or writes the chunk again)
         candidates = {c: ref.chunks[k] for c, k in enumerate(keys)
-                      if k in ref.chunks and all(k in unchanged[r] for r in layout.holders[c])}
+                      if k in ref.chunks and all(k in unchanged[r] for r in layout.holders[c])
+                      and all(ref.files[f][1] in layout.holders[c] for f, _ in ref.chunks[k])}
         keep = _keep(candidates, ref.files)
         if not keep:
             return layout, []
@@ -270,7 +298,7 @@ class Incremental:
         count = 0
         for size in sizes:
             first.append(count)
-            count += -(-size // self.block)
+            count += -(-size // self._unit_block)
         where: list[Where] = [[] for _ in units]
         chunks: dict[ChunkKey, Where] = defaultdict(list)
         keys = [(m.path, m.offsets, m.sizes) for m in layout.chunks]
@@ -282,7 +310,7 @@ class Incremental:
                 files[(r.root, r.name)] = (r.size, rank)
                 for e in r.extents:
                     if r.object == mf.REPLICATED:
-                        where[first[e.storage] + e.start // self.block].append(((r.root, r.name), e))
+                        where[first[e.storage] + e.start // self._unit_block].append(((r.root, r.name), e))
                     else:
                         chunks[keys[e.storage]].append(((r.root, r.name), e))
         self._ref = _Reference(directory, tuple(sizes), files, where, dict(chunks))
@@ -294,12 +322,18 @@ class Incremental:
         self._seen, self._pending = {}, {}
 
 
+# errnos of a filesystem that does not do hard links (as opposed to a file that went away)
+LINKS_REFUSED = frozenset({errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
+
+
 def link_reused(reused: Sequence[Reused], roots: Sequence[str], directory: str, backend: FileBackend,
-                write: Callable[[Reused, str], FileReport]) -> list[FileReport]:
+                write: Callable[[Reused, str], FileReport]) -> tuple[list[FileReport], str | None]:
     """Step 2 on the rank each file names: give each file of ``reused`` its name in the new
     checkpoint. A file that cannot be linked (gone, not the size it had, a filesystem without
-    hard links) has its extents written instead, by ``write(reused, path)``."""
+    hard links) has its extents written instead, by ``write(reused, path)``. Also returns why
+    the filesystem refused links, if it did (the next saves then write everything)."""
     out: list[FileReport] = []
+    refused: str | None = None
     for r in reused:
         src = os.path.join(roots[r.root], r.directory, r.source)
         dst = os.path.join(roots[r.root], directory, r.name)
@@ -312,5 +346,7 @@ def link_reused(reused: Sequence[Reused], roots: Sequence[str], directory: str, 
         except OSError as e:
             logger.info("incremental checkpoint: cannot reuse %s (%s); writing its %d extent(s) again",
                         src, e.strerror or e, len(r.extents))
+            if e.errno in LINKS_REFUSED:
+                refused = f"linking {src} failed: {e.strerror or e}"
             out.append(write(r, dst))
-    return out
+    return out, refused

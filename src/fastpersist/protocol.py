@@ -67,6 +67,7 @@ class Proposal:
     publish: bool = False  # save(directory=...) on this rank
     unchanged: tuple[int, ...] = ()  # incremental saves: this rank's units unchanged since the last commit
     unchanged_chunks: tuple[ChunkKey, ...] = ()  # and the DTensor chunks it holds that are unchanged
+    incremental: int = 0  # its Checkpointer's incremental unit size (0: off); the ranks must agree
 
 
 @dataclass
@@ -77,6 +78,7 @@ class RankReport:
     objects: dict[str, tuple[list[str], list[int], list[mf.TensorEntry]]]  # objects whose skeleton this rank wrote
     digests: list[int] | None = None  # per replicated storage, for the replica check
     chunk_digests: dict[int, int] = field(default_factory=dict)  # replicated shards held here
+    links_refused: str | None = None  # incremental saves: why this rank's filesystem refused a hard link
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,10 @@ class SaveProtocol:
             raise
         self._account(job, written)
         if self.incremental is not None:  # a checkpoint moved out of the roots is no reference
-            if job.directory is None:
+            refused = next((w.links_refused for w in written if w.links_refused), None)
+            if refused is not None:
+                self.incremental.disable(refused)
+            elif job.directory is None:
                 self.incremental.committed(p.directory, p.replicated.sizes, p.layout, written)
             else:
                 self.incremental.forget()
@@ -244,12 +249,15 @@ class SaveProtocol:
         own = job.prepared[1]
         unique = (len(own.skeleton), own.sizes) if own is not None and self.nodes is not None else None
         unchanged: tuple[list[int], list[ChunkKey]] = ([], [])
-        if self.incremental is not None:
+        # a directory save is no reference for the next save: hashed only if it can reuse
+        inc = self.incremental
+        if inc is not None and not inc.disabled and (job.directory is None or inc.has_reference):
             t0 = time.perf_counter()
-            unchanged = self.incremental.probe(rep, job.shards)
+            unchanged = inc.probe(rep, job.shards)
             job.metrics.probe_s = time.perf_counter() - t0
         return Proposal(digest, secrets.token_hex(6), job.step, job.number, [sh.meta for sh in job.shards], commits,
-                        unique, job.directory is not None, tuple(unchanged[0]), tuple(unchanged[1]))
+                        unique, job.directory is not None, tuple(unchanged[0]), tuple(unchanged[1]),
+                        self.incremental.block if self.incremental is not None else 0)
 
     def _plan(self, job: SaveJob, proposals: list[Proposal]) -> SavePlan:
         """The plan every rank derives alike from the proposals; or, on every rank alike, why not."""
@@ -270,6 +278,12 @@ class SaveProtocol:
             raise CheckpointWriteError(
                 f"checkpoint step {job.step}: save(directory=...) was given on rank(s) {publishing} only; every rank "
                 "passes it (rank 0's directory is used)")
+        mixed = [r for r, x in enumerate(proposals) if x.incremental != first.incremental]
+        if mixed:
+            raise CheckpointWriteError(
+                f"checkpoint step {job.step}: the ranks' Checkpointers disagree on incremental=: rank {mixed[0]} uses "
+                f"{proposals[mixed[0]].incremental or 'off'}, rank 0 {first.incremental or 'off'} (unit bytes); every "
+                "rank constructs its Checkpointer with the same arguments")
         differing = [r for r, x in enumerate(proposals) if x.digest != first.digest]
         if differing:
             raise CheckpointWriteError(

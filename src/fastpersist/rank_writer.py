@@ -52,6 +52,7 @@ class RankWriter:
         self.backend = backend
         self._config = config
         self.hash_replicas = hash_replicas
+        self._links_refused: str | None = None  # this save's: why the filesystem refused a hard link
 
     def write(self, job: SaveJob, p: SavePlan) -> RankReport:
         """Write everything this rank owns of ``job``; the job is staged once the live
@@ -94,7 +95,8 @@ class RankWriter:
         for d in dirs:  # the new files' directory entries are durable too
             self.backend.fsync_dir(d)
         self.backend.event("after-data")
-        return RankReport(reports, objects)
+        refused, self._links_refused = self._links_refused, None
+        return RankReport(reports, objects, links_refused=refused)
 
     def _write_own(self, job: SaveJob, p: SavePlan, dirs: list[str], cfg: IOConfig
                    ) -> tuple[list[FileReport], dict[str, tuple[list[str], list[int], list[mf.TensorEntry]]]]:
@@ -117,8 +119,9 @@ class RankWriter:
             reports += write_slots(rep, jobs, self.backend, cfg)
         linking = [r for r in p.reused if r.rank == self.rank]
         if linking:  # incremental: the last checkpoint's files, named here too
-            reports += link_reused(linking, self.roots, p.directory, self.backend,
-                                   lambda r, path: self._write_again(p, job.shards, r, path, cfg))
+            linked, self._links_refused = link_reused(linking, self.roots, p.directory, self.backend,
+                                                      lambda r, path: self._write_again(p, job.shards, r, path, cfg))
+            reports += linked
         if self.skeleton_node is not None or (self.rank == 0 and not p.multi_node):
             copy = f"-n{self.skeleton_node:04d}" if self.skeleton_node is not None else ""
             path = os.path.join(dirs[0], f"{p.save_id}-{rep.name}{copy}.skel")

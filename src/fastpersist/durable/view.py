@@ -146,7 +146,12 @@ class DurableView(CheckpointView):
             name, size = item
             key = f"{catalog.step_dir(manifest.step)}/{name}"
             try:
-                fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                path = os.path.join(d, name)
+                try:  # a new file, never written through a name another checkpoint shares (hard links)
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
                     pos = 0
                     for data in self.store.chunks(key, size):

@@ -20,7 +20,12 @@ from typing import Any
 
 import xxhash
 
-from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedFormatError
+from fastpersist.errors import (
+    ChecksumMismatchError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
 from fastpersist.format import jsondoc
 
 FORMAT_NAME = "fastpersist-checkpoint"
@@ -252,7 +257,14 @@ class Manifest:
             doc["nodes"] = list(self.nodes)
             doc["node"] = self.node
         body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        return seal(body) if self.version >= 2 else body
+        out = seal(body) if self.version >= 2 else body
+        if len(out) > MAX_MANIFEST_BYTES:  # a reader would refuse it: never commit one
+            raise CheckpointWriteError(
+                f"checkpoint step {self.step}: its manifest would be {len(out)} bytes, and readers accept at most "
+                f"{MAX_MANIFEST_BYTES}: the state has too many tensors or extents "
+                f"({sum(len(s.extents) for o in self.objects.values() for s in o.storages)} extents); nothing was "
+                "committed")
+        return out
 
 
     def _object_doc(self, o: ObjectEntry) -> dict[str, Any]:

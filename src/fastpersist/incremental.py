@@ -54,7 +54,7 @@ import stat
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import xxhash
 
@@ -79,6 +79,18 @@ SAMPLE_MIN = 64 << 10  # a smaller unit is hashed at once (cheaper than taking i
 FileKey = tuple[int, str]  # (root, file name in the checkpoint's directory)
 ChunkKey = tuple[tuple[str | int, ...], tuple[int, ...], tuple[int, ...]]  # a DTensor chunk: (path, offsets, sizes)
 T = TypeVar("T")
+
+
+MAX_BACKOFF = 4  # a unit changing where its samples do not look is hashed at least every 2^4 + 1 saves
+
+
+class Seen(NamedTuple):
+    """What a rank knew of one of its units (or chunks) at the last commit."""
+
+    sample: bytes
+    digest: int | None  # None: not hashed then
+    misses: int  # changes in a row that only the digest saw
+    wait: int  # saves left that write it without hashing
 
 
 @dataclass(frozen=True)
@@ -178,8 +190,8 @@ class Incremental:
         self.disabled = False  # the filesystem refused hard links
         self._ref: _Reference | None = None
         # (sample, digest) at the last commit, of this rank's units and of the chunks it holds
-        self._seen: dict[int | ChunkKey, tuple[bytes, int | None]] = {}
-        self._pending: dict[int | ChunkKey, tuple[bytes, int | None]] = {}  # this save's, adopted at its commit
+        self._seen: dict[int | ChunkKey, Seen] = {}
+        self._pending: dict[int | ChunkKey, Seen] = {}  # this save's, adopted at its commit
 
     def units(self, sizes: Sequence[int]) -> list[Unit]:
         """:func:`units_of` these sizes (the same every save of one state: kept). A state that
@@ -207,17 +219,32 @@ class Incremental:
         self.disabled = True
         self.forget()
 
-    def _unchanged(self, key: int | ChunkKey, data: memoryview, seen: Mapping[int | ChunkKey, tuple[bytes, int | None]],
-                   pending: dict[int | ChunkKey, tuple[bytes, int | None]]) -> bool:
-        """Whether ``data`` equals what ``key`` held at the last commit (sample, then digest)."""
+    def _unchanged(self, key: int | ChunkKey, data: memoryview, seen: Mapping[int | ChunkKey, Seen],
+                   pending: dict[int | ChunkKey, Seen]) -> bool:
+        """Whether ``data`` equals what ``key`` held at the last commit (sample, then digest).
+
+        A unit whose changes the samples keep missing (sparse updates: an embedding block with
+        a few new rows) is hashed for nothing, save after save; after its m-th such change in
+        a row it is written without hashing for the next 2^m - 1 saves (m at most 4), then
+        looked at again, so the hashing it costs falls to about 2 saves in 17, and a unit that
+        stops changing is reused again within 18 saves."""
         sample = _sample(data) if len(data) >= SAMPLE_MIN else b""
         old = seen.get(key)
-        if old is not None and old[0] != sample:
-            pending[key] = (sample, None)
+        if old is not None and old.sample != sample:  # certainly changed, at no cost
+            pending[key] = Seen(sample, None, old.misses, 0)
+            return False
+        misses, wait = (old.misses, old.wait) if old is not None else (0, 0)
+        if wait:
+            pending[key] = Seen(sample, None, misses, wait - 1)
             return False
         digest = xxhash.xxh3_128_intdigest(data)
-        pending[key] = (sample, digest)
-        return old is not None and old[1] == digest
+        if old is not None and old.digest is not None and old.digest != digest:  # a change the sample missed
+            misses += 1
+            pending[key] = Seen(sample, digest, misses, (1 << min(misses, MAX_BACKOFF)) - 1)
+            return False
+        same = old is not None and old.digest == digest
+        pending[key] = Seen(sample, digest, 0 if same else misses, 0)
+        return same
 
     def probe(self, prepared: Prepared, shards: Sequence[LocalShard] = ()) -> tuple[list[int], list[ChunkKey]]:
         """Step 1 on this rank: its replicated units, and the DTensor chunks it holds, that are
@@ -226,7 +253,7 @@ class Incremental:
             return [], []
         ref = self._ref
         same = ref is not None and ref.sizes == tuple(prepared.sizes)
-        pending: dict[int | ChunkKey, tuple[bytes, int | None]] = {}
+        pending: dict[int | ChunkKey, Seen] = {}
         units_out: list[int] = []
         units = self.units(prepared.sizes)
         for u in range(self.rank, len(units), self.world):

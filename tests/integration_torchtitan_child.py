@@ -2,7 +2,7 @@
 scheduler containers and its CheckpointManager (fastpersist's subclass), FSDP2 on a CPU mesh.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=... MASTER_PORT=... \\
-        python tests/integration_torchtitan_child.py DIR STEPS KILL_STEP MODE
+        python tests/integration_torchtitan_child.py DIR STEPS KILL_STEP MODE [STOP]
 
 torchtitan's Trainer needs an accelerator (it sets a CUDA device), so this mirrors its
 checkpoint calls: ``checkpointer.load()`` at start (the latest step-N), then per step the
@@ -10,7 +10,9 @@ optimizer step, ``checkpointer.save(step, last_step=...)`` (interval 1, keep_lat
 before the next step's optimizer update, ``maybe_wait_for_staging()``. MODE is torchtitan's
 ``async_mode`` ("disabled" or "async"). Rank 0 appends "STEP LOSS_HEX" (the loss of its batch)
 to DIR/losses-<pid>.txt. KILL_STEP > 0: every rank's writer SIGKILLs its process on its second
-write request of that step's checkpoint. Batches are a function of (step, rank).
+write request of that step's checkpoint. Batches are a function of (step, rank). STOP: end
+after that step (the LR schedule is still STEPS long: torchtitan saves the schedule's length in
+the scheduler's state, so a shorter run is not the same run).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class TrainState(Stateful):
 
 def main() -> None:
     d, steps, kill, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    stop = int(sys.argv[5]) if len(sys.argv) > 5 else steps  # stop after this step (the schedule is for `steps`)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     configure(chunk_bytes=64 * 1024, num_buffers=2)
@@ -68,7 +71,7 @@ def main() -> None:
     checkpointer.backend = FaultyBackend(kill_faults(kill, f"step-{kill.split(':')[0]}{os.sep}"))
     checkpointer.load()  # the latest step-N, if any (torchtitan's own lookup)
     out = os.path.join(d, f"losses-{os.getpid()}.txt")
-    for step in range(train_state.step + 1, steps + 1):
+    for step in range(train_state.step + 1, min(steps, stop) + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(32, 64, generator=g)
         loss = nn.functional.mse_loss(model(x), x.flip(-1))

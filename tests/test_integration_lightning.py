@@ -114,7 +114,8 @@ def test_fsdp2_kill_and_resume_is_exact_and_reshards(tmp_path) -> None:
     """FastPersistModelParallelStrategy (FSDP2 over 2 gloo processes): every rank writes the
     chunks of the DTensors it owns; a SIGKILL mid-write resumes exactly at 2 processes, and the
     same checkpoint resumes at 1 process with the same weights (its first loss, on rank 0's
-    batch, equals the uninterrupted 2-process run's)."""
+    batch, equals the uninterrupted 2-process run's), and every later loss equals (float.hex)
+    those of a 1-process resume from an uninterrupted 2-process job's checkpoint of that step."""
     ref_dir, run_dir, one_dir = tmp_path / "ref", tmp_path / "run", tmp_path / "one"
     for d in (ref_dir, run_dir, one_dir):
         d.mkdir()
@@ -138,3 +139,12 @@ def test_fsdp2_kill_and_resume_is_exact_and_reshards(tmp_path) -> None:
     (one,) = read_losses(str(one_dir))
     assert sorted(one) == list(range(FSDP_KILL - 1, FSDP_STEPS))
     assert one[FSDP_KILL - 1] == reference[FSDP_KILL - 1]
+    # the resharded resume against an uninterrupted run: a 2-process job that stops at the kill's
+    # step, resumed at 1 process from its last checkpoint, has every loss of the killed job's
+    short_dir, one_ref_dir = tmp_path / "short", tmp_path / "one-ref"
+    for d in (short_dir, one_ref_dir):
+        d.mkdir()
+    run_job(FSDP_CHILD, [str(short_dir), str(FSDP_KILL - 1), "2", "0", "none"], 2, str(tmp_path))
+    run_child(FSDP_CHILD, [str(one_ref_dir), str(FSDP_STEPS), "1", "0", str(short_dir / "ckpt" / "last.ckpt")])
+    (one_ref,) = read_losses(str(one_ref_dir))
+    assert one == one_ref

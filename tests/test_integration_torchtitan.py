@@ -44,3 +44,14 @@ def test_fsdp2_async_kill_and_resume_is_exact_and_reshards(tmp_path) -> None:
     (one,) = read_losses(str(one_dir))
     assert sorted(one) == list(range(KILL, STEPS + 1))
     assert one[KILL] == reference[KILL]
+    # against an uninterrupted run: a 2-process job (the same schedule) that stops before the
+    # kill's step, resumed at 1 process from its checkpoint, has every loss of the killed job's
+    # resharded resume
+    short_dir, one_ref_dir = tmp_path / "short", tmp_path / "one-ref"
+    for d in (short_dir, one_ref_dir):
+        d.mkdir()
+    run_job(CHILD, [str(short_dir), str(STEPS), "0", "async", str(KILL - 1)], 2, str(tmp_path))
+    shutil.copytree(short_dir / "ckpt", one_ref_dir / "ckpt")
+    run_job(CHILD, [str(one_ref_dir), str(STEPS), "0", "async"], 1, str(tmp_path))
+    (one_ref,) = read_losses(str(one_ref_dir))
+    assert one == one_ref

@@ -3,14 +3,15 @@ committed checkpoint are not written again.
 
 The replicated state's storages are cut into **units** of at most :data:`BLOCK` bytes (4 MiB;
 ``Checkpointer(incremental=65536)`` asks for smaller ones, for tables whose updated rows are
-scattered); a storage smaller than that is one unit. At each save every rank looks at its share of the
-units (unit ``u`` belongs to rank ``u % world``, so the work is spread like the writes):
+scattered); a storage smaller than that is one unit. At each save every rank looks at its
+share of the units (unit ``u`` belongs to rank ``u % world``, so the work is spread like the
+writes):
 
 1. a **sample** of the unit (:data:`SAMPLES` 8-byte words at fixed positions) is compared with
    the one taken at the last commit; if it differs, the unit changed (certainly: the same
-   positions hold other bytes) and nothing else is computed. (A unit under
-   :data:`SAMPLE_MIN` bytes goes straight to step 2: hashing it costs less than sampling.) Training that updates every
-   parameter changes every sample, so a full-training save pays only for the samples;
+   positions hold other bytes) and nothing else is computed. Training that updates every
+   parameter changes every sample, so a full-training save pays only for the samples. (A
+   unit under :data:`SAMPLE_MIN` bytes goes straight to step 2: hashing it costs less.)
 2. if the sample is the same, the unit's **xxh3-128** digest is computed (about 11 GB/s on one
    core here, outside the GIL) and compared with the one taken at the last commit. Equal
    digests mean the unit is unchanged: its bytes are not written, the new checkpoint uses
@@ -26,13 +27,13 @@ party already controls what the checkpoint holds. (Documented in docs/DESIGN.md.
 directory. The files of the last checkpoint that hold reused units get a second name in the
 new checkpoint's directory (a hard link, made by rank 0 before the commit), and the new
 manifest lists them like any data file: the format does not change, every reader reads an
-incremental checkpoint, and deleting any checkpoint (retention, ``remove_checkpoint``, a
-user's ``rm -r``) removes names, never bytes another checkpoint still names. A linked file
+incremental checkpoint, and deleting any checkpoint (retention, crash clean-up, a user's
+``rm -r``) removes names, never bytes another checkpoint still names. A linked file
 also holds bytes of units that did change, which no extent of the new checkpoint claims; a
 file is linked only if the units reused from it cover at least half of its size (otherwise
 they are written again), so the space held by stale bytes is bounded. When a link cannot be
-made (the last checkpoint was removed meanwhile, a filesystem without hard links), rank 0
-writes those units instead: the save never fails for it.
+made (the last checkpoint was removed meanwhile), the linking rank writes those units instead:
+the save never fails for it; a filesystem that refuses hard links turns incremental saves off.
 
 **DTensor chunks** (FSDP2, tensor parallel) are units of their own, whole: each holder probes
 the chunks it holds; a chunk is reused only if every holder found it unchanged, and the file
@@ -40,8 +41,9 @@ holding it is linked by the rank that wrote it (which holds the chunk, and write
 the link fails).
 
 Scope: a job on one node (or roots on one shared filesystem); host memory only (a unit in
-device memory is always written); ``rank_state`` is always written. The reference is the last checkpoint this Checkpointer committed into its
-roots with the same storage sizes; the first save of a process writes everything.
+device memory is always written); ``rank_state`` is always written. The reference is the last
+checkpoint this Checkpointer committed into its roots; the first save of a process writes
+everything.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ fastpersist and then returns from main, for tests/test_clean_exit.py.
 
 LAYER: ``checkpointer`` (saves with a Checkpointer), ``dcp`` (dcp.save and dcp.async_save
 through fastpersist.dcp on FSDP2 state, then dcp.load), ``raise`` (a Checkpointer with a save
-in flight, then an exception escapes main: exit status 1, never a signal).
+in flight, then an exception escapes main: exit status 1, never a signal), ``late`` (the job's
+own collectives released late by gloo, in a process that imported fastpersist).
 FLAGS (comma-separated, may be empty): ``close`` (Checkpointer.close() before returning),
 ``wait`` (Checkpointer.wait() before returning), ``destroy`` (destroy_process_group()
 before returning). Without ``close`` or ``wait`` the last save is still in flight when main
@@ -57,6 +58,18 @@ def dcp(root: str, flags: set[str]) -> None:
     dcp.load(sd, storage_reader=Reader(roots))
 
 
+def late(root: str, flags: set[str]) -> None:
+    """Collectives whose tensors gloo releases after the caller moved on: 200 all-reduces of
+    tensors Python forgets at once, only the last one waited for. The other gloo worker may
+    still hold its last collective's tensors as main returns; their release needs the GIL."""
+    import fastpersist.dist  # noqa: F401 - a process that uses fastpersist's distributed layer
+
+    work = None
+    for i in range(200):
+        work = dist.all_reduce(torch.full((64,), float(i)), async_op=True)
+    work.wait()
+
+
 def raising(root: str, flags: set[str]) -> None:
     checkpointer(root, flags)
     raise RuntimeError("training failed (on purpose)")
@@ -66,7 +79,7 @@ def main() -> None:
     faulthandler.enable()  # a fatal signal prints every thread's stack
     layer, flags, root = sys.argv[1], set(filter(None, sys.argv[2].split(","))), sys.argv[3]
     dist.init_process_group("gloo")
-    {"checkpointer": checkpointer, "dcp": dcp, "raise": raising}[layer](root, flags)
+    {"checkpointer": checkpointer, "dcp": dcp, "late": late, "raise": raising}[layer](root, flags)
     if "destroy" in flags:
         dist.destroy_process_group()
     print(f"done {dist.get_rank() if dist.is_initialized() else os.environ['RANK']}", flush=True)

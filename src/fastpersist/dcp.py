@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from fastpersist import catalog
+from fastpersist import teardown
 from fastpersist.config import IOConfig, get_config
 from fastpersist.errors import (
     CheckpointNotFoundError,
@@ -78,6 +79,8 @@ from fastpersist.objects.write import files_at_once, place, write_new_file
 from fastpersist.view import root_list
 
 logger = logging.getLogger(__name__)
+
+teardown.install()  # gloo's worker threads finish before the interpreter finalizes
 
 METADATA_NAME = ".metadata"
 _SUFFIX = ".fpdcp"

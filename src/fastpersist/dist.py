@@ -24,11 +24,14 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+from fastpersist import teardown
 from fastpersist.errors import CheckpointError, CheckpointWriteError, DistributedCheckpointError
 
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+teardown.install()  # gloo's worker threads finish before the interpreter finalizes
 
 
 class Comm(Protocol):

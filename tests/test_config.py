@@ -10,11 +10,11 @@ def test_environment_overrides():
     cfg = config_from_env({
         "FASTPERSIST_CHUNK_MB": "8", "FASTPERSIST_BUFFERS": "3", "FASTPERSIST_WRITERS": "5",
         "FASTPERSIST_READERS": "6", "FASTPERSIST_READ_CHUNK_MB": "2", "FASTPERSIST_DIRECT": "OFF",
-        "FASTPERSIST_VERIFY": "0", "FASTPERSIST_DRAIN_NICE": "17",
+        "FASTPERSIST_VERIFY": "0", "FASTPERSIST_DRAIN_NICE": "17", "FASTPERSIST_PIPELINE": " On",
     })
     assert (cfg.chunk_bytes, cfg.num_buffers, cfg.writer_threads) == (8 * MiB, 3, 5)
     assert (cfg.reader_threads, cfg.read_chunk_bytes, cfg.direct, cfg.verify) == (6, 2 * MiB, "off", False)
-    assert cfg.pool_bytes == 24 * MiB and cfg.drain_nice == 17
+    assert cfg.pool_bytes == 24 * MiB and cfg.drain_nice == 17 and cfg.snapshot_pipeline == "on"
 
 
 def test_defaults_bound_the_pool():
@@ -22,7 +22,8 @@ def test_defaults_bound_the_pool():
 
 
 @pytest.mark.parametrize("env", [{"FASTPERSIST_CHUNK_MB": "x"}, {"FASTPERSIST_DIRECT": "sometimes"},
-                                 {"FASTPERSIST_BUFFERS": "0"}, {"FASTPERSIST_DRAIN_NICE": "20"}])
+                                 {"FASTPERSIST_BUFFERS": "0"}, {"FASTPERSIST_DRAIN_NICE": "20"},
+                                 {"FASTPERSIST_PIPELINE": "sometimes"}])
 def test_bad_settings_are_errors(env):
     with pytest.raises(fp.CheckpointError):
         config_from_env(env)

@@ -81,3 +81,14 @@ def weights_only_unpickler() -> Any:
     """torch's restricted unpickler module (refuses code execution)."""
     check()
     return torch._weights_only_unpickler
+
+
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair, in one call that holds the GIL once (``_foreach_copy_``;
+    pair by pair where torch lacks it)."""
+    many = getattr(torch, "_foreach_copy_", None)
+    if many is not None:
+        many(dsts, srcs)
+        return
+    for d, s in zip(dsts, srcs):  # pragma: no cover - every tested torch has _foreach_copy_
+        d.copy_(s)

@@ -288,16 +288,19 @@ class Checkpointer(ReadMethods):
         job = _new_job(step, state, rank_state, meta, completion, t0)
         job.directory = target
         live = self._guard.storages() if self.mode == "overlap" else set()
-        job.inline = self.mode == "sync" or not self._stager.stage(job, live)
-        if not job.inline and not job.live:
-            completion.staged()
+        job.inline = self.mode == "sync" or not self._stager.stage(job, live, self.config.snapshot_pipeline)
         # Queued on every rank alike (what a rank raises below differs with timing, so it must
         # come after the job is queued: otherwise the ranks' queues would fall out of step).
         self._driver.submit(job)
+        try:
+            self._stager.copy(job)  # the snapshot's copies, while its writes start (fastpersist.io.fills)
+        finally:
+            if not job.inline and not job.live:
+                completion.staged()
         handle = completion.handle
         if not job.inline:
             handle.metrics.save_call_s = time.perf_counter() - t0
-            self._driver.raise_failed()
+            self._driver.raise_failed(besides=completion)  # its writes began during its copies
             return handle
         handle.metrics.inline = True
         try:

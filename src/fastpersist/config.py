@@ -11,6 +11,7 @@ environment variable that overrides it::
     FASTPERSIST_DIRECT        auto | on | off   (O_DIRECT; auto falls back to buffered I/O)
     FASTPERSIST_VERIFY        1 | 0             (verify checksums on load by default)
     FASTPERSIST_DRAIN_NICE    0..19             (the durable tier's drain thread's CPU niceness)
+    FASTPERSIST_PIPELINE      auto | on | off   (a snapshot's copy pipelined with its writes)
 
 :func:`configure` changes the process-wide defaults and doubles as a context manager that
 restores the previous ones.
@@ -28,6 +29,7 @@ from fastpersist.errors import CheckpointError
 MiB = 1 << 20
 
 _DIRECT_MODES = ("auto", "on", "off")
+_PIPELINE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,14 @@ class IOConfig:
     ``direct``: ``"auto"`` uses O_DIRECT where the filesystem accepts it and falls back to
     buffered I/O (logged once) where it does not; ``"on"`` makes a refusal an error; ``"off"``
     never uses O_DIRECT.
+
+    ``snapshot_pipeline`` (the background modes' snapshot, docs/DESIGN.md "The snapshot
+    pipeline"): ``"on"`` queues the save before its copy into the snapshot arena, and the writer
+    writes each part of the arena as soon as it holds its copy: the commit comes sooner, but the
+    copy shares the CPU and memory bandwidth with the writer, so ``save()`` blocks longer on a
+    machine with few cores. ``"off"`` copies everything, then queues. ``"auto"`` pipelines a
+    save that had to wait for the previous snapshot's writes (saves come faster than the disk
+    takes them, so the time to commit is what holds training back) and copies first otherwise.
     """
 
     chunk_bytes: int = 32 * MiB
@@ -52,6 +62,7 @@ class IOConfig:
     # The niceness of the durable tier's drain thread (Linux, per thread): its CPU share against
     # training's threads. 0 drains at training's priority; 19 only when the CPU is otherwise idle.
     drain_nice: int = 10
+    snapshot_pipeline: str = "auto"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
@@ -69,6 +80,8 @@ class IOConfig:
             raise CheckpointError(f"drain_nice must be in 0..19, got {self.drain_nice}")
         if self.direct not in _DIRECT_MODES:
             raise CheckpointError(f"direct must be one of {_DIRECT_MODES}, got {self.direct!r}")
+        if self.snapshot_pipeline not in _PIPELINE_MODES:
+            raise CheckpointError(f"snapshot_pipeline must be one of {_PIPELINE_MODES}, got {self.snapshot_pipeline!r}")
 
     @property
     def pool_bytes(self) -> int:
@@ -94,6 +107,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
                 raise CheckpointError(f"{var} must be an integer, got {env[var]!r}") from None
     if "FASTPERSIST_DIRECT" in env:
         out["direct"] = env["FASTPERSIST_DIRECT"].strip().lower()
+    if "FASTPERSIST_PIPELINE" in env:
+        out["snapshot_pipeline"] = env["FASTPERSIST_PIPELINE"].strip().lower()
     if "FASTPERSIST_VERIFY" in env:
         out["verify"] = env["FASTPERSIST_VERIFY"].strip().lower() not in ("0", "false", "no", "off")
     return out

@@ -76,6 +76,7 @@ class SaveDriver:
             logger.info("checkpoint step %d skipped: %d still in flight", metrics.step, self.max_in_flight)
             return False
         metrics.waited_for_previous = True
+        logger.debug("checkpoint step %d waits for room: %d still in flight", metrics.step, self.max_in_flight)
         with self._room:
             self._room.wait_for(lambda: len(self._in_flight) < self.max_in_flight)
         return True
@@ -113,16 +114,22 @@ class SaveDriver:
                 self._in_flight.remove(job)
                 self._room.notify_all()
 
-    def raise_failed(self) -> None:
+    def raise_failed(self, besides: Completion | None = None) -> None:
         """Raise the oldest background failure not yet raised to the caller (the others stay
-        pending, for the next call)."""
+        pending, for the next call). ``besides``: a save whose own failure is left for its
+        handle and the next call (``save()`` raises earlier saves' failures, not its own)."""
         with self._lock:
-            while self._failed:
-                error = self._failed.pop(0).take_error()
-                if error is not None:
-                    break
-            else:
-                return
+            kept = [c for c in self._failed if c is besides]
+            self._failed = [c for c in self._failed if c is not besides]
+            try:
+                while self._failed:
+                    error = self._failed.pop(0).take_error()
+                    if error is not None:
+                        break
+                else:
+                    return
+            finally:
+                self._failed.extend(kept)  # the newest: it was just queued
         raise error
 
     def wait(self, timeout: float | None = None) -> None:

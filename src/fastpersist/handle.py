@@ -44,6 +44,7 @@ class SaveMetrics:
     waited_for_previous: bool = False  # save() waited for an earlier checkpoint (back-pressure)
     skipped: bool = False  # not taken: the previous checkpoint was still in flight
     inline: bool = False  # save() waited for the commit (sync mode, or over the snapshot budget)
+    pipelined: bool = False  # the snapshot's copy overlapped its writes (IOConfig.snapshot_pipeline)
 
     @property
     def blocked_s(self) -> float:
@@ -135,9 +136,12 @@ class Completion:
         self.handle = handle
 
     def staged(self) -> None:
-        """Training may modify the saved tensors again (idempotent)."""
-        if not self.handle.staged.done():
+        """Training may modify the saved tensors again (idempotent; ``save()`` and the writer
+        may both say so, from two threads)."""
+        try:
             self.handle.staged.set_result(None)
+        except cf.InvalidStateError:  # already said
+            pass
 
     def finish(self, error: BaseException | None = None) -> None:
         """The checkpoint is committed (``error`` None), failed or skipped. Anything that is

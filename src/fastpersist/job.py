@@ -10,7 +10,9 @@ from fastpersist.handle import Completion, SaveHandle, SaveMetrics
 
 if TYPE_CHECKING:
     from fastpersist import dtensor
+    from fastpersist.io.fills import Fill
     from fastpersist.objects.write import Prepared
+    from fastpersist.stage import Capture
 
 
 @dataclass
@@ -35,6 +37,8 @@ class SaveJob:
     number: int = 0  # this Checkpointer's n-th queued save (the same on every rank)
     prepared: tuple[Prepared, Prepared | None] | None = None  # pickled state and rank state
     directory: str | None = None  # save(directory=...): published there after the commit
+    fill: Fill | None = None  # the snapshot arena while save() is still copying into it
+    capture: Capture | None = None  # the copies save() makes once the job is queued (stage.py)
 
     @property
     def handle(self) -> SaveHandle:

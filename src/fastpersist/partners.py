@@ -27,6 +27,7 @@ from fastpersist.format import manifest as mf
 from fastpersist.format import torchzip
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import memory_view
+from fastpersist.io.fills import wait_filled
 from fastpersist.nodes import Nodes
 from fastpersist.objects.write import FileReport, PlacedExtent, Prepared, chunk_extents, place
 from fastpersist.plan import plan
@@ -128,6 +129,9 @@ class Sender:
             e = self.extents[i]
             parts.append(self._bytes(e)[e.start + off : e.start + off + n] if e.kind != "skeleton"
                          else self._bytes(e)[off : off + n])
+        for part in parts:  # a snapshot still being copied is sent once its bytes are there
+            if part.device.type == "cpu":
+                wait_filled(part.data_ptr(), part.numel())
         out = parts[0] if len(parts) == 1 else torch.cat([p.cpu() for p in parts])
         return out.cpu().contiguous()
 

@@ -29,17 +29,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fastpersist import dtensor
+from fastpersist import _torch, dtensor
 from fastpersist.errors import CheckpointError
 from fastpersist.format import manifest as mf
 from fastpersist.format import torchzip
 from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, ready_events
+from fastpersist.io.fills import Fill
 from fastpersist.objects.write import prepare
 
 if TYPE_CHECKING:
     from fastpersist.job import SaveJob
 
 logger = logging.getLogger(__name__)
+
+COPY_STEP = 32 << 20  # a deferred copy lands (and may be written) in batches of about this size
 
 
 class Arena:
@@ -77,6 +80,11 @@ class Arena:
 
     def give_back(self) -> None:
         self._free.set()
+
+    @property
+    def busy(self) -> bool:
+        """An earlier snapshot still holds the arena (its writes are not done)."""
+        return not self._free.is_set()
 
     @property
     def allocated(self) -> int:
@@ -134,11 +142,14 @@ class Capture:
     capture serves a whole save, so a storage shared by several objects is copied once.
     """
 
-    def __init__(self, live: set[int], arena: torch.Tensor | None) -> None:
+    def __init__(self, live: set[int], arena: torch.Tensor | None, deferred: bool = False) -> None:
         self.live = live
         self.arena = arena
         self.pos = 0
         self.copied = 0
+        # deferred: host-to-host copies are only laid out here and made by copy() (in arena order)
+        self.deferred = deferred
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (destination, source, arena offset)
         self.copies: dict[int, torch.UntypedStorage] = {}
         self.streams: dict[torch.device, Any] = {}  # one side stream per device copied from
         self.live_seen: list[torch.UntypedStorage] = []
@@ -166,6 +177,8 @@ class Capture:
                 stream.wait_stream(torch.cuda.current_stream(src.device))
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
+        elif self.deferred:
+            self.pending.append((dst, src, self.pos))
         else:
             dst.copy_(src)
         self.pos += align_up(n, ALIGN)
@@ -201,6 +214,32 @@ class Capture:
         if isinstance(obj, _IMMUTABLE):
             return obj
         raise CheckpointError(f"internal: {type(obj).__name__} cannot be captured without pickling")
+
+    def copy(self, fill: Fill) -> None:
+        """Make the deferred copies front to back, advancing ``fill`` as they land: the writer
+        reads each part of the arena as soon as it holds its copy (fastpersist.io.fills).
+
+        Copies go in batches of about COPY_STEP bytes, each one call to torch: between calls
+        this thread needs the GIL again, and the save's background thread may hold it for up
+        to the interpreter's switch interval (5 ms), so a state of many small tensors copied
+        one call each would keep ``save()`` waiting for the GIL far longer than copying."""
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        batch = 0
+        for dst, src, pos in self.pending:
+            n = dst.numel()
+            for start in range(0, n, COPY_STEP):
+                end = min(n, start + COPY_STEP)
+                dsts.append(dst[start:end])
+                srcs.append(src[start:end])
+                batch += end - start
+                if batch >= COPY_STEP:
+                    _torch.copy_many(dsts, srcs)
+                    fill.advance(pos + end)
+                    dsts, srcs, batch = [], [], 0
+        if dsts:
+            _torch.copy_many(dsts, srcs)
+        self.pending.clear()
 
     def finish(self) -> None:
         for stream in self.streams.values():  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
@@ -264,7 +303,9 @@ class Stager:
         self.arena = Arena(budget)
         self.rank = rank
 
-    def stage(self, job: SaveJob, live: set[int]) -> bool:
+    def stage(self, job: SaveJob, live: set[int], pipeline: str = "off") -> bool:
+        """Snapshot the job (``pipeline``: IOConfig.snapshot_pipeline, the copies deferred to
+        :meth:`copy` so that they overlap the job's writes)."""
         objs = [job.state] + ([job.rank_state] if job.rank_state is not None else [])
         scans = [scan(o) for o in objs]
         local = [sh.tensor for sh in job.shards]
@@ -282,12 +323,20 @@ class Stager:
                         "writing it from live memory, save() waits for its commit", job.step, need / 2**20,
                         self.arena.budget / 2**20)
             return False
+        # "auto": pipelined when saves come faster than the disk takes them (this save waited
+        # for an earlier one), where the commit's time holds training back, not the copy's
+        behind = self.arena.busy or job.metrics.waited_for_previous
         arena = self.arena.take(need) if need else None
         job.uses_arena = arena is not None
+        # host memory only: the copies are made by copy(), after the job is queued, while the
+        # writer writes what has landed (device copies are asynchronous already)
+        deferred = (arena is not None and (pipeline == "on" or (pipeline == "auto" and behind))
+                    and all(s.device.type == "cpu" for s in storages))
+        job.metrics.pipelined = deferred
         try:
             # one capture for the whole job: a storage shared by the state, the rank state and
             # the shards is copied once (the arena was sized for each storage once)
-            cap = Capture(live, arena)
+            cap = Capture(live, arena, deferred)
             if job.prepared is not None:
                 for prepared in job.prepared:
                     if prepared is not None:
@@ -298,7 +347,10 @@ class Stager:
                     job.rank_state = cap(job.rank_state)
             for sh, t in zip(job.shards, [cap(t) for t in local]):
                 sh.tensor = t
-            cap.finish()
+            if cap.pending and arena is not None:
+                job.fill, job.capture = Fill(arena.data_ptr(), cap.pos), cap  # registered before the job is queued
+            else:
+                cap.finish()
         except BaseException:
             self.release(job)
             raise
@@ -306,8 +358,26 @@ class Stager:
         job.metrics.bytes_copied = cap.copied
         return True
 
+    def copy(self, job: SaveJob) -> None:
+        """Make a staged job's deferred copies (``save()``, once the job is queued: its writer
+        writes each part of the arena as soon as it holds its copy). A failed copy fails the
+        job: whatever waits for bytes it did not copy raises."""
+        cap, fill = job.capture, job.fill
+        if cap is None or fill is None:
+            return
+        job.capture = None
+        try:
+            cap.copy(fill)
+            cap.finish()
+        except BaseException as e:
+            fill.fail(e)
+            raise
+        fill.complete()
+
     def release(self, job: SaveJob) -> None:
         """Give the job's arena back (idempotent)."""
+        if job.fill is not None:
+            job.fill.close()
         if job.uses_arena:
             job.uses_arena = False
             self.arena.give_back()

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from fastpersist.io.fills import wait_filled
+
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096
@@ -41,9 +43,12 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 
 def memory_view(addr: int, nbytes: int) -> memoryview:
-    """A writable memoryview of ``nbytes`` at ``addr``; the caller keeps the owner alive."""
+    """A writable memoryview of ``nbytes`` at ``addr``; the caller keeps the owner alive.
+    Memory a snapshot is still being copied into is viewed once its bytes are there
+    (:mod:`fastpersist.io.fills`)."""
     if nbytes == 0:
         return memoryview(bytearray())
+    wait_filled(addr, nbytes)
     return memoryview((ctypes.c_ubyte * nbytes).from_address(addr)).cast("B")
 
 

@@ -12,6 +12,9 @@ turns the list into write requests:
 * the last partial page of the range goes through the buffered descriptor, after every direct
   request has completed, so no page is written both ways at once.
 
+Host memory that a snapshot is still copying into is read only once its bytes are there
+(:func:`fastpersist.io.fills.wait_filled`): the write of a snapshot starts with its copy.
+
 Pieces with a ``tag`` are hashed (xxh3-64) in file order while they pass through, and
 :func:`write_pieces` returns the digests. Copies use ``ctypes.memmove`` and hashing uses xxhash,
 both of which release the GIL; the training thread keeps running while the writer works.
@@ -35,6 +38,7 @@ from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointWriteError
 from fastpersist.io.buffers import ALIGN, BufferPool, StagingBuffer, align_down, copy_to_host, memory_view
 from fastpersist.io.files import DirectFile, pwrite_all
+from fastpersist.io.fills import wait_filled
 
 # Copy and hash in steps of this size so the hash reads bytes the copy left in the cache.
 _STEP = 1 << 20
@@ -136,6 +140,7 @@ def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers:
         n = min(_STEP, seg.nbytes - done)
         d = dst + done
         if src_addr is not None:
+            wait_filled(src_addr + seg.start + done, n)  # a snapshot still being copied (fills.py)
             ctypes.memmove(buf_addr + d, src_addr + seg.start + done, n)
         hashers.update(p.tag, buf_view[d : d + n])
         done += n
@@ -319,14 +324,14 @@ def _direct(
     addr = _cpu_address(piece)
     if addr is None:
         raise ValueError("zero-copy writes need a CPU tensor")
-    view = memory_view(addr + skip, nbytes)
     pos = 0
     while pos < nbytes:
         if writers.error is not None:
             raise writers.error
         n = min(config.chunk_bytes, nbytes - pos)
-        hashers.update(piece.tag, view[pos : pos + n])
-        writers.submit(view[pos : pos + n], piece.offset + skip + pos, None)
+        view = memory_view(addr + skip + pos, n)  # waits for a snapshot still being copied (fills.py)
+        hashers.update(piece.tag, view)
+        writers.submit(view, piece.offset + skip + pos, None)
         pos += n
 
 

@@ -174,3 +174,89 @@ def test_the_pipeline_setting_decides_which_saves_overlap_their_copy(tmp_path, p
         ck.close()
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(MIB, generator=g), "b": torch.randn(MIB // 2 + 3, generator=g), "step": seed}
+
+
+def _failing_copy(monkeypatch, error: BaseException, at: int, ranks: tuple[int, ...] = (0,), rank: int = 0) -> None:
+    """torch's copy (which the project cannot make fail for real) raises ``error`` at its
+    ``at``-th call, in save()'s snapshot copy, in small batches so that a state takes several."""
+    from fastpersist import _torch, stage
+
+    real = _torch.copy_many
+    calls = []
+
+    def copy_many(dsts, srcs):
+        calls.append(1)
+        if rank in ranks and len(calls) == at:
+            raise error
+        real(dsts, srcs)
+
+    monkeypatch.setattr(stage, "COPY_STEP", 256 << 10)
+    monkeypatch.setattr(_torch, "copy_many", copy_many)
+
+
+@pytest.mark.parametrize("error,at", [(KeyboardInterrupt(), 1), (MemoryError("the copy ran out of memory"), 3)],
+                         ids=["interrupted-before-any-byte", "failed-half-way"])
+def test_a_copy_that_fails_in_save_is_raised_once_commits_nothing_and_hangs_nothing(tmp_path, monkeypatch, error, at):
+    """Interrupted before its first byte or failed half-way, a pipelined copy: save() raises it,
+    the writer does not wait for bytes that will never come (close() returns), nothing of the
+    step is committed, the failure is not raised a second time, and the next save works."""
+    from fastpersist.io import fills
+
+    ck = fp.Checkpointer(str(tmp_path / "ck"), config=IOConfig(snapshot_pipeline="on"))
+    try:
+        ck.save(1, _state(1)).result(60)
+        with monkeypatch.context() as m:
+            _failing_copy(m, error, at)
+            with pytest.raises(type(error)):
+                ck.save(2, _state(2))
+        ck.wait(timeout=60)  # ends (the job failed instead of waiting) and raises nothing again
+        assert [c.step for c in ck.list()] == [1] and ck.load()["step"] == 1
+        assert not fills._active, "a fill stayed registered after its job ended"
+        h = ck.save(3, _state(3))
+        h.result(60)
+        got = ck.load(3)
+        assert torch.equal(got["a"], _state(3)["a"]) and torch.equal(got["b"], _state(3)["b"])
+    finally:
+        ck.close()
+
+
+def _two_ranks_one_copy_fails(rank: int, world: int, root: str) -> list:
+    import pytest as _pytest
+
+    mp = _pytest.MonkeyPatch()
+    ck = fp.Checkpointer(root, check_replicated=False,
+                         config=IOConfig(snapshot_pipeline="on"))
+    try:
+        ck.save(1, _state(1)).result(120)
+        _failing_copy(mp, MemoryError("rank 0's copy failed"), at=22, rank=rank)  # of 25 batches: rank 1's share
+        raised = None
+        try:
+            ck.save(2, _state(2)).result(120)
+        except MemoryError as e:
+            raised = repr(e)
+        except fp.CheckpointError as e:
+            raised = type(e).__name__
+        mp.undo()
+        ck.wait(timeout=120)
+        return [raised, [c.step for c in ck.list()]]
+    finally:
+        mp.undo()
+        ck.close()
+
+
+def test_a_copy_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    """Rank 0's copy fails in its last batch, whose bytes rank 0 may never read itself (without
+    the replica check a rank writes only its share): the save still fails on both ranks, and
+    nothing of it is committed."""
+    from helpers import run_ranks
+
+    root = str(tmp_path / "roots")
+    results = run_ranks(tmp_path, 2, _two_ranks_one_copy_fails, root)
+    assert results[0][0] is not None and "rank 0's copy failed" in results[0][0]
+    assert results[1][0] == "DistributedCheckpointError", results  # rank 0's failure, raised on rank 1
+    assert results[0][1] == [1] and results[1][1] == [1], results

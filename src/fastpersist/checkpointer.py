@@ -291,9 +291,14 @@ class Checkpointer(ReadMethods):
         job.inline = self.mode == "sync" or not self._stager.stage(job, live, self.config.snapshot_pipeline)
         # Queued on every rank alike (what a rank raises below differs with timing, so it must
         # come after the job is queued: otherwise the ranks' queues would fall out of step).
-        self._driver.submit(job)
         try:
+            self._driver.submit(job)
             self._stager.copy(job)  # the snapshot's copies, while its writes start (fastpersist.io.fills)
+        except BaseException as e:
+            if job.fill is not None:  # interrupted or failed before every byte was copied: the
+                job.fill.fail(e)  # writer must not wait for them, it fails the job instead
+            completion.mark_reported()  # raised here; not raised again by a later call
+            raise
         finally:
             if not job.inline and not job.live:
                 completion.staged()

@@ -170,6 +170,11 @@ class Completion:
         committed = self.handle._committed
         return committed.exception() if committed.done() else None
 
+    def mark_reported(self) -> None:
+        """The caller has this save's failure already (``save()`` raised it): the job's own
+        error, when it ends, is not raised to the caller a second time."""
+        self.handle._reported = True
+
     def take_error(self) -> BaseException | None:
         """The error, marked as raised to the caller: None if there is none or it was raised."""
         if self.handle._reported:

@@ -65,6 +65,8 @@ class RankWriter:
         try:
             chunks = chunk_hashing.submit(self._chunk_digests, job.shards, p.layout) if chunk_hashing else None
             report = self._write_files(job, p)
+            if job.fill is not None:  # the snapshot's whole copy, not only the bytes this rank read:
+                job.fill.wait_all()  # a copy that failed fails the save on every rank
             if hashing is not None and chunks is not None:
                 report.digests = hashing.result()
                 report.chunk_digests = chunks.result()

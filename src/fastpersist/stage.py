@@ -365,14 +365,14 @@ class Stager:
         cap, fill = job.capture, job.fill
         if cap is None or fill is None:
             return
-        job.capture = None
         try:
+            job.capture = None
             cap.copy(fill)
             cap.finish()
+            fill.complete()
         except BaseException as e:
             fill.fail(e)
             raise
-        fill.complete()
 
     def release(self, job: SaveJob) -> None:
         """Give the job's arena back (idempotent)."""

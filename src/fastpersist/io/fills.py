@@ -47,6 +47,8 @@ class Fill:
         """The copy stopped: readers of bytes not yet copied raise (until :meth:`close`, when
         the job that owns the memory has finished)."""
         with self._cond:
+            if self._done >= self.size:  # every byte was copied: nothing a reader could miss
+                return
             self._error = error
             self._cond.notify_all()
 

@@ -325,7 +325,7 @@ def tables(setups: Sequence[Setup], samples: dict[str, Samples], contenders: dic
 def verdict(setups: Sequence[Setup], samples: dict[str, Samples], contenders: dict[str, DrainContender]) -> str:
     """Whether each drain meets the goal (at most +2% over overlap without one) and keeps up."""
     lines = []
-    ov_med, ov_mean = round_medians(samples["overlap"]), round_means(samples["overlap"])
+    ov_mean = round_means(samples["overlap"])
     for s in setups:
         if s.durable is None:
             continue

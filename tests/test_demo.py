@@ -1,7 +1,7 @@
 """The demo (benchmarks/demo.py, ``fastpersist demo``) part 1: the interleaved measurement, its
 statistics, its table and its picture.
 
-Part 2 (crash and resume) is tested by tests/test_async.py through ``crash_and_resume``.
+Part 2 (crash and resume) is tested by tests/test_bench_crash.py.
 """
 
 from __future__ import annotations

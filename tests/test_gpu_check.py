@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -19,27 +18,25 @@ BOUND_S = 240
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> tuple[dict, str, float]:
+def smoke(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("gpu-smoke")
     work = tmp_path_factory.mktemp("gpu-smoke-work")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(ROOT, "src") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    t0 = time.monotonic()
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--smoke", "--out", str(out),
                         "--dir", str(work)], capture_output=True, text=True, env=env, timeout=BOUND_S)
-    elapsed = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert os.listdir(work) == [], "the run left files in the directory it was given"
     with open(out / "results.json") as f:
         report = json.load(f)
     with open(out / "results.md") as f:
         md = f.read()
-    return report, md, elapsed
+    return report, md
 
 
 def test_smoke_run_writes_every_section(smoke):
-    report, md, elapsed = smoke
-    assert report["smoke"] is True and elapsed < BOUND_S
+    report, md = smoke
+    assert report["smoke"] is True
     assert not report.get("errors"), report.get("errors")
     for key in ("machine", "d2h", "save", "train", "crash", "targets", "part_s"):
         assert key in report, key
@@ -55,7 +52,7 @@ def test_smoke_run_writes_every_section(smoke):
 
 
 def test_smoke_run_measures_every_contender(smoke):
-    report, md, _ = smoke
+    report, md = smoke
     assert report["d2h"] and all(len(r["gbps"]) >= 1 and min(r["gbps"]) > 0 for r in report["d2h"])
     (save,) = report["save"]
     assert set(save["series"]) == {"device write (O_DIRECT)", "torch.save+fsync",
@@ -74,7 +71,7 @@ def test_smoke_run_measures_every_contender(smoke):
 
 
 def test_smoke_run_crashes_mid_write_and_resumes_exactly(smoke):
-    report, md, _ = smoke
+    report, md = smoke
     c = report["crash"]
     assert c["returncode"] == -9
     assert c["killed_mid_write"], "the kill did not land during a checkpoint write"

@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -379,6 +380,18 @@ def _new_job(step: int, state: Any, rank_state: Any, meta: Mapping[str, Any] | N
     return SaveJob(step, saveable, own, meta, completion, t0, shards)
 
 
+@dataclass(frozen=True)
+class _RootsReport:
+    """What one rank tells the others about its roots at construction (one all-gather)."""
+
+    host: str
+    ok: bool  # its roots, node id and durable location were usable
+    durable: str | None  # the durable location's URL
+    node: str
+    roots: list[str]
+    redundancy: int | None
+
+
 def _roots_everywhere(comm: Comm, paths: list[str], durable: str | os.PathLike[str] | Store | None,
                       node: str | None = None, redundancy: int | None = None
                       ) -> tuple[list[str], list[str], Nodes, Store | None]:
@@ -398,31 +411,32 @@ def _roots_everywhere(comm: Comm, paths: list[str], durable: str | os.PathLike[s
             raise ValueError(f"durable: {store.url} is one of the local roots; the durable tier must be elsewhere")
     except (ValueError, TypeError, ImportError, CheckpointWriteError) as e:
         error = e
-    outcomes = comm.all_gather((host, error is None, store.url if store is not None else None, me, roots, redundancy))
+    outcomes: list[_RootsReport] = comm.all_gather(_RootsReport(
+        host, error is None, store.url if store is not None else None, me, roots, redundancy))
     if error is not None:
         raise error
-    bad = [r for r, o in enumerate(outcomes) if not o[1]]
+    bad = [r for r, o in enumerate(outcomes) if not o.ok]
     if bad:
         raise CheckpointWriteError(f"the checkpoint roots {paths}, the node id or the durable location cannot be used "
                                    f"on rank(s) {bad}; see the error raised there")
-    urls = sorted({o[2] for o in outcomes if o[2] is not None})
-    if len(urls) > 1 or (urls and any(o[2] is None for o in outcomes)):
+    urls = sorted({o.durable for o in outcomes if o.durable is not None})
+    if len(urls) > 1 or (urls and any(o.durable is None for o in outcomes)):
         raise ValueError(f"durable: the ranks were given different durable locations ({urls}, or none on some); "
                          "every rank must pass the same one")
-    if len({o[5] for o in outcomes}) > 1:
-        raise ValueError(f"redundancy: the ranks were given different values ({[o[5] for o in outcomes]} by rank); "
-                         "every rank must pass the same one")
-    nodes = Nodes.from_ids([o[3] for o in outcomes])
+    if len({o.redundancy for o in outcomes}) > 1:
+        raise ValueError(f"redundancy: the ranks were given different values ({[o.redundancy for o in outcomes]} by "
+                         "rank); every rank must pass the same one")
+    nodes = Nodes.from_ids([o.node for o in outcomes])
     for r, o in enumerate(outcomes):
         lead = nodes.leader(nodes.of_rank[r])
-        if len(o[4]) != len(roots) or o[4] != outcomes[lead][4]:
-            raise ValueError(f"roots: rank {r} (node {o[3]!r}) was given roots {o[4]}, rank {lead} of the same node "
-                             f"{outcomes[lead][4]}, rank {comm.rank} {roots}: every rank gives as many roots, and the "
-                             "ranks of one node the same ones")
+        if len(o.roots) != len(roots) or o.roots != outcomes[lead].roots:
+            raise ValueError(f"roots: rank {r} (node {o.node!r}) was given roots {o.roots}, rank {lead} of the same "
+                             f"node {outcomes[lead].roots}, rank {comm.rank} {roots}: every rank gives as many roots, "
+                             "and the ranks of one node the same ones")
     if nodes.count > 1 and not all(callable(getattr(comm, m, None)) for m in ("broadcast", "exchange")):
         raise TypeError(f"comm: a job on several nodes ({', '.join(nodes.ids)}) needs a comm with broadcast() and "
                         f"exchange() (as fastpersist.dist.GlooComm has), got a {type(comm).__name__}")
-    return roots, [o[0] for o in outcomes], nodes, store
+    return roots, [o.host for o in outcomes], nodes, store
 
 
 def _comm(comm: Comm | str | None, timeout_s: float) -> Comm:

@@ -10,8 +10,6 @@ from fuzz.cases import Bases, make_case, run_case, run_many
 
 
 def main() -> None:
-    import tempfile
-
     p = argparse.ArgumentParser(description="run fastpersist's fuzz cases")
     p.add_argument("--format", choices=["single", "sharded"], required=True)
     p.add_argument("--seed", type=int, default=14)

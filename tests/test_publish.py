@@ -165,3 +165,35 @@ def test_comm_local_in_a_distributed_job_saves_alone(tmp_path) -> None:
     assert fp.open(root).load()["i"] == 3
     with pytest.raises(ValueError, match='"local"'):
         fp.Checkpointer(root, comm="gloo")
+
+
+class _FailingDelete(fp.FileBackend):
+    """Real files; deleting a path that contains ``refuse`` fails (a read-only or busy tree)."""
+
+    def __init__(self, refuse: str) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.deleted: list[str] = []
+
+    def before_delete(self, path: str) -> None:
+        self.deleted.append(path)
+        if self.refuse in path:
+            raise PermissionError(13, "Permission denied (test backend)", path)
+
+
+@pytest.mark.parametrize("exchange", ["1", "0"])
+def test_publishing_removes_the_replaced_checkpoint_through_the_backend(tmp_path, monkeypatch, exchange) -> None:
+    """The checkpoint a directory save replaces is removed through the Checkpointer's backend
+    (its failure hooks and throttles see it); a removal that fails leaves the new checkpoint
+    published and is only logged."""
+    monkeypatch.setenv("FASTPERSIST_NO_RENAME_EXCHANGE", "0" if exchange == "1" else "1")
+    target = str(tmp_path / "last.ckpt")
+    backend = _FailingDelete(refuse="never")
+    with fp.Checkpointer(str(tmp_path / "stage"), comm="local", backend=backend) as ck:
+        ck.save(1, _state(1), directory=target).wait()
+        ck.save(2, _state(2), directory=target).wait()
+        replaced = [p for p in backend.deleted if p.startswith(target)]
+        assert replaced, backend.deleted  # the step-1 checkpoint's removal went through the backend
+        backend.refuse = target
+        ck.save(3, _state(3), directory=target).wait()
+    assert fp.open(target).load()["i"] == 3

@@ -27,6 +27,7 @@ from fastpersist import timeline
 from fastpersist.commit import TEMP_MARKER, temp_path_for
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
+from fastpersist.io.backend import REAL_FILES as _REAL_FILES
 from fastpersist.io.backend import FileBackend
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,6 @@ class Entry:
     committed: bool
 
 
-_REAL_FILES = FileBackend()  # readers that were given no backend use real files
 
 
 def scan(root: str, backend: FileBackend | None = None) -> list[Entry]:

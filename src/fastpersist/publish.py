@@ -34,13 +34,13 @@ import ctypes.util
 import errno
 import logging
 import os
-import shutil
 
 from typing import TYPE_CHECKING
 
 from fastpersist import catalog
 from fastpersist.dist import Comm, agree
 from fastpersist.errors import CheckpointNotFoundError, CheckpointWriteError
+from fastpersist.io.backend import REAL_FILES as _REAL_FILES
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.files import fsync_dir
 
@@ -97,13 +97,13 @@ def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> 
     partial = directory + PARTIAL_SUFFIX
     try:
         recover(directory, backend)
-        _check_replaceable(directory)
-        remove_path(partial)
+        _check_replaceable(directory, backend)
+        remove_path(partial, backend)
         backend.makedirs(partial)
         backend.replace(os.path.join(root, name), os.path.join(partial, name))
     except OSError as e:
         with contextlib.suppress(OSError):
-            remove_path(partial)
+            remove_path(partial, backend)
         hint = (" (the directory must be on the roots' filesystem: the checkpoint is renamed, not copied)"
                 if e.errno == errno.EXDEV else "")
         raise CheckpointWriteError(f"checkpoint step {step} is committed under {root} but could not be moved into "
@@ -117,7 +117,7 @@ def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> 
                                    f"{e.strerror or e}; {partial} holds the committed checkpoint") from e
     if old is not None:  # published: removing what it replaced is best effort
         try:
-            remove_path(old)
+            remove_path(old, backend)
         except OSError as e:
             logger.warning("checkpoint step %d is published as %s; the checkpoint it replaced could not be removed "
                            "from %s: %s", step, directory, old, e.strerror or e)
@@ -133,16 +133,16 @@ def swap_in(partial: str, path: str, backend: FileBackend) -> str | None:
     old = None
     if os.path.lexists(path):
         old = path + OLD_SUFFIX
-        remove_path(old)
+        remove_path(old, backend)
         backend.replace(path, old)
     backend.replace(partial, path)  # a crash before this leaves path.fp-old alone: see recover()
     fsync_dir(parent)
     return old
 
 
-def _check_replaceable(path: str) -> None:
+def _check_replaceable(path: str, backend: FileBackend) -> None:
     """Refuse to replace a directory that is not a published checkpoint (a mistaken path)."""
-    if not os.path.isdir(path) or os.path.islink(path) or not os.listdir(path):
+    if not os.path.isdir(path) or os.path.islink(path) or not backend.listdir(path):
         return  # nothing, a file (a framework's single-file checkpoint of the same name) or empty
     if catalog.read_latest(path) is None:
         raise OSError(errno.EEXIST, f"{path} exists and is not a checkpoint published by fastpersist; "
@@ -158,44 +158,50 @@ def recover(path: str, backend: FileBackend | None = None) -> None:
     if not os.path.lexists(path) and os.path.isdir(old):
         logger.warning("%s was being replaced when a process died; restoring the previous checkpoint from %s",
                        path, old)
-        (backend or FileBackend()).replace(old, path)
+        (backend or _REAL_FILES).replace(old, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def sweep(folder: str) -> None:
+def sweep(folder: str, backend: FileBackend | None = None) -> None:
     """Clean what crashed publishes left in ``folder`` (the publisher, before its first save):
     a ``X.fp-partial`` (removed), a ``X.fp-old`` beside ``X`` (removed) or alone (put back)."""
     try:
-        names = os.listdir(folder)
+        names = (backend or _REAL_FILES).listdir(folder)
     except FileNotFoundError:
         return
     for name in names:
         path = os.path.join(folder, name)
         try:
             if name.endswith(PARTIAL_SUFFIX):
-                remove_path(path)
+                remove_path(path, backend)
             elif name.endswith(OLD_SUFFIX):
                 target = path[:-len(OLD_SUFFIX)]
                 if os.path.lexists(target):
-                    remove_path(path)
+                    remove_path(path, backend)
                 else:
-                    recover(target)
+                    recover(target, backend)
         except OSError as e:
             logger.warning("could not clean %s left by an interrupted publish: %s", path, e.strerror or e)
 
 
-def remove_published(path: str) -> None:
+def remove_published(path: str, backend: FileBackend | None = None) -> None:
     """Remove the checkpoint published as ``path`` and what an interrupted publish of it left."""
     for p in (path, path + PARTIAL_SUFFIX, path + OLD_SUFFIX):
-        remove_path(p)
+        remove_path(p, backend)
 
 
-def remove_path(path: str) -> None:
-    """Remove a checkpoint file, directory or link; nothing if it does not exist."""
+def remove_path(path: str, backend: FileBackend | None = None) -> None:
+    """Remove a checkpoint file, directory or link; nothing if it does not exist. Raises the
+    first failure."""
+    files = backend or _REAL_FILES
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
+        files.rmtree(path, _raise)
     elif os.path.lexists(path):
-        os.remove(path)
+        files.unlink(path)
+
+
+def _raise(_path: str, error: OSError) -> None:
+    raise error
 
 
 def directory_checkpoint(path: str) -> str:

@@ -167,3 +167,6 @@ class FileBackend:
 
 
 _HAS_ONEXC = sys.version_info >= (3, 12)
+
+
+REAL_FILES = FileBackend()  # the default: what a caller that passes no backend uses

@@ -26,11 +26,11 @@ from fastpersist.errors import (
 )
 from fastpersist.format import manifest as mf
 from fastpersist.format import references, skeleton
+from fastpersist.io.backend import REAL_FILES as _REAL_FILES
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import memory_view
 from fastpersist.io.files import DirectFile, file_size
 
-_REAL_FILES = FileBackend()
 
 # Storages in the read buffer start on this boundary (enough for any dtype).
 ELEMENT_ALIGN = 64

@@ -35,7 +35,7 @@ import time
 import torch
 
 from _bench.models import ModelSpec, build, train_step
-from _bench.savers import make_saver
+from _bench.savers import FastpersistSaver, make_saver
 from _bench.stats import overhead
 
 
@@ -93,7 +93,7 @@ def measure(rounds: int, block: int, gil_ms: float, directory: str) -> dict[str,
                 if n == "overlap nice 19" and r == 0 and others is not None:
                     for tid in _save_threads() - others:  # its own, started by its first save
                         os.setpriority(os.PRIO_PROCESS, tid, 19)
-            if n.startswith("overlap"):
+            if isinstance(saver, FastpersistSaver):
                 saver.ck.wait()  # the next contender starts with no save in flight
             if r:
                 out[n].append(statistics.median(times[1:]))

@@ -57,6 +57,15 @@ STAGING = ".fastpersist-tmp-peer-"  # a clean start removes what a crash left
 
 
 @dataclass(frozen=True)
+class _ReadOutcome:
+    """One rank's read of a restored checkpoint, told to every rank (one all-gather)."""
+
+    kind: str  # "ok", "damaged" (a checksum failed: ``damaged`` names the copies) or "failed"
+    message: str = ""
+    damaged: frozenset[tuple[int, int]] = frozenset()  # the damaged copies (file, extent) this rank found
+
+
+@dataclass(frozen=True)
 class Holding:
     """What one node holds of one step: its files' sizes by (root, name), and the commit its
     manifest records ((sequence, created); None: no readable manifest there)."""
@@ -248,26 +257,26 @@ class PeerRestore:
                 if bad & plan.sources():
                     continue  # a copy was found damaged in flight: take those bytes from another copy
                 local = self._localized(chosen, bad, plan)
-                outcome: tuple[str, Any] = ("ok", None)
+                outcome = _ReadOutcome("ok")
                 error: BaseException | None = None
                 dirs = self._dirs(m.step, staging)
                 try:
                     result = read(dirs, local)
                 except (CorruptCheckpointError, ReadFailedError) as e:
-                    outcome = ("damaged", (self._damaged(dirs, local, plan), str(e)))
+                    outcome = _ReadOutcome("damaged", str(e), frozenset(self._damaged(dirs, local, plan)))
                 except Exception as e:  # noqa: BLE001 - every rank must hear of it
-                    outcome, error = ("failed", f"{type(e).__name__}: {e}"), e
-                outcomes = self.comm.all_gather(outcome, "control")
-                failed = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "failed"]
+                    outcome, error = _ReadOutcome("failed", f"{type(e).__name__}: {e}"), e
+                outcomes: list[_ReadOutcome] = self.comm.all_gather(outcome, "control")
+                failed = [(r, o.message) for r, o in enumerate(outcomes) if o.kind == "failed"]
                 if failed:
                     if error is not None:
                         raise error
                     raise CheckpointReadError(f"restoring checkpoint step {m.step} failed on rank {failed[0][0]}: "
                                               f"{failed[0][1]}")
-                damaged = {loc for o in outcomes if o[0] == "damaged" for loc in o[1][0]}
+                damaged = {loc for o in outcomes if o.kind == "damaged" for loc in o.damaged}
                 if not damaged:
-                    if any(o[0] == "damaged" for o in outcomes):
-                        first = next(o[1][1] for o in outcomes if o[0] == "damaged")
+                    if any(o.kind == "damaged" for o in outcomes):
+                        first = next(o.message for o in outcomes if o.kind == "damaged")
                         raise CorruptCheckpointError(f"restoring checkpoint step {m.step}: {first}")
                     return result
                 logger.warning("checkpoint step %d: damaged copies in %s; loading those bytes from other copies "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -41,11 +43,16 @@ class Counter:
         self.seen = int(state["seen"])
 
 
-def run(d: str, kill: str) -> None:
+def run(d: str, kill: str, *, steps: int = STEPS, accelerator: Accelerator | None = None,
+        resume_step: int | None = None, after_load: Callable[[Accelerator, nn.Module, Any], None] | None = None) -> None:
+    """Train to ``steps`` (resuming from ``resume_step``, else the latest checkpoint) on
+    ``accelerator`` (default: ddp, or one process); ``after_load(accelerator, model, optimizer)``
+    runs after a resume's load."""
     set_seed(0)
     # a seedable sampler draws its order from (seed, epoch), not from the global RNG (as accelerate
     # itself needs for an exact resume of a shuffled loader)
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = accelerator or Accelerator(cpu=True,
+                                             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     # BatchNorm: buffers each ddp process updates from its own batch (not replicated)
     model = nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -59,17 +66,19 @@ def run(d: str, kill: str) -> None:
     faults = kill_faults(kill, f"step-{int(kill.split(':')[0]):08d}")
     ckpt = AcceleratorCheckpointer(accelerator, os.path.join(d, "ckpt"), keep=2, backend=FaultyBackend(faults),
                                    config=IOConfig(chunk_bytes=64 * 1024, num_buffers=2))
-    latest = ckpt.latest_step()
+    latest = ckpt.latest_step() if resume_step is None else resume_step
     start = 0 if latest is None else latest + 1
     if latest is not None:
         ckpt.load_state(latest, load_rng=False)
         if counter.seen != start:
             raise RuntimeError(f"the registered object was not restored: {counter.seen} != {start}")
+        if after_load is not None:
+            after_load(accelerator, model, opt)
     out = os.path.join(d, f"losses-{os.getpid()}.txt")
     for step, (x,) in enumerate(accelerator.skip_first_batches(loader, start), start):
         if step == start and latest is not None:
             ckpt.load_rng_state(latest)  # after the loader drew its seed, as the first run did
-        if step >= STEPS:
+        if step >= steps:
             break
         loss = nn.functional.mse_loss(model(x), x.flip(-1))
         accelerator.backward(loss)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import pytest
 
@@ -146,3 +147,83 @@ def kill_faults(spec: str, path_contains: str) -> list:
         return []
     rank, at = (parts[1], parts[2]) if len(parts) == 3 else (None, 2)
     return [Fault("write", None, at=at, kill=True, rank=rank, path_contains=path_contains)]
+
+
+def pretend_accelerator_fsdp2(plugin: Any) -> None:
+    """Make accelerate run its FSDP2 path on this CPU machine.
+
+    accelerate turns its FSDP plugin on only for accelerator devices (``AcceleratorState``
+    sets ``DistributedType.FSDP`` for GPU-like processes, never for CPU ones), and this machine
+    has no GPU. This tells the (already created) accelerator state what it would have decided on
+    a GPU, and nothing else: accelerate's FSDP2 preparation (``fully_shard`` on its mesh),
+    torch's state-dict functions and the gloo process group stay real. As on a GPU, the type is
+    also copied into ``PartialState``'s shared state (each ``AcceleratorState()`` copies it back).
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    state = AcceleratorState()
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def fsdp2_kill_resume_reshard(child: str, tmp_path: Any, *, root: str, model: str, optimizer: str, weight: str,
+                              buffers_key: str | None, steps: int, kill: int) -> None:
+    """The FSDP2 kill-and-resume test of a framework child (``child DIR STEPS KILL_STEP
+    [RESUME_STEP]``, checkpoints in DIR/``root``, resuming from RESUME_STEP or else the latest
+    one there, rank 0 saving the full state it loaded to DIR/loaded.pt).
+
+    Over 2 gloo processes every rank writes the chunks of the DTensors it owns (the model's
+    parameters under ``model``, the optimizer state under ``optimizer``; ``weight`` is one
+    parameter's key; rank 0's ``model_buffers``, under ``buffers_key`` if given, are the model's
+    buffers); a SIGKILL at a random instant of step ``kill``'s write resumes exactly at
+    2 processes; the same checkpoint loads at 1 process with every full tensor equal to the
+    checkpoint's, and every later loss equals (float.hex) that of a 1-process resume from an
+    uninterrupted 2-process job's checkpoint of that step."""
+    import shutil
+
+    import torch
+
+    import fastpersist as fp
+    from fastpersist import catalog
+    from helpers import assert_state_equal
+
+    dirs = {name: tmp_path / name for name in ("ref", "run", "one", "short", "one-ref")}
+    for d in dirs.values():
+        d.mkdir()
+    run_job(child, [str(dirs["ref"]), str(steps), "0"], 2, str(tmp_path))
+    (reference,) = read_losses(str(dirs["ref"]))
+    run_job(child, [str(dirs["run"]), str(steps), random_kill(kill, 2)], 2, str(tmp_path), killed=True)
+    ckpt = str(dirs["run"] / root)
+    assert {c.step for c in fp.list_checkpoints(ckpt) if c.committed} == {kill - 2, kill - 1}
+    saved_root = shutil.copytree(ckpt, str(tmp_path / "saved"))  # resumes go on to retention
+    step_dir = os.path.join(saved_root, f"step-{kill - 1:08d}")
+    manifest = catalog.read_manifest(step_dir)
+    assert {t.key.split(".")[0] for t in manifest.sharded} == {model, optimizer}
+    (entry,) = [t for t in manifest.sharded if t.key == f"{model}.{weight}"]
+    assert len(entry.chunks) == 2  # each rank wrote the rows it owns
+    shutil.copytree(saved_root, str(dirs["one"] / root))
+    run_job(child, [str(dirs["run"]), str(steps), "0"], 2, str(tmp_path))
+    killed, resumed = read_losses(str(dirs["run"]))
+    check_resumed(reference, killed, resumed, kill, max(reference))
+
+    run_job(child, [str(dirs["one"]), str(steps), "0"], 1, str(tmp_path))
+    (one,) = read_losses(str(dirs["one"]))
+    assert sorted(one) == [s for s in sorted(reference) if s >= kill]
+    state = fp.load_checkpoint(step_dir)
+    own = fp.load_checkpoint(step_dir, rank=0, weights_only=False)
+    buffers = own["model_buffers"] if buffers_key is None else own["model_buffers"][buffers_key]
+    loaded = torch.load(str(dirs["one"] / "loaded.pt"), weights_only=False)
+    assert_state_equal(dict(sorted(loaded["model"].items())), dict(sorted({**state[model], **buffers}.items())),
+                       layout=False)
+    assert_state_equal(loaded["optimizer"], state[optimizer], layout=False)
+    # the resharded resume against an uninterrupted run: a 2-process job that goes one step past
+    # the killed one's last commit (its last step would differ: the Trainer evaluates at the end,
+    # and the evaluation loader draws its seed from the RNG), resumed at 1 process from its
+    # checkpoint of that commit's step, has every loss of the killed job's
+    run_job(child, [str(dirs["short"]), str(kill + 1 - min(reference)), "0"], 2, str(tmp_path))
+    shutil.copytree(str(dirs["short"] / root), str(dirs["one-ref"] / root))
+    run_job(child, [str(dirs["one-ref"]), str(steps), "0", str(kill - 1)], 1, str(tmp_path))
+    (one_ref,) = read_losses(str(dirs["one-ref"]))
+    assert one == one_ref

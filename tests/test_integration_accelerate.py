@@ -1,6 +1,7 @@
 """accelerate through AcceleratorCheckpointer: a real training loop (dropout, shuffled seedable
 loader, scheduler, registered custom object) killed with SIGKILL in the middle of writing a
-checkpoint, resumed, and compared loss by loss with an uninterrupted run; FSDP is refused."""
+checkpoint, resumed, and compared loss by loss with an uninterrupted run; FSDP2 written by its
+owners and resharded at load; FSDP1 and DeepSpeed refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import types
 import pytest
 
 import fastpersist as fp
-from integration_util import check_resumed, random_kill, read_losses, require, run_child, run_job
+from integration_util import (check_resumed, fsdp2_kill_resume_reshard, random_kill, read_losses, require, run_child,
+                              run_job)
 
 CHILD = "integration_accelerate_child.py"
 STEPS = 8
@@ -55,12 +57,24 @@ def test_two_processes_kill_and_resume_is_exact(tmp_path) -> None:
     assert all("torch" in fp.load_checkpoint(step_dir, rank=r, weights_only=False)["rng"] for r in range(2))
 
 
-def test_fsdp_is_refused_before_anything_is_written(tmp_path) -> None:
+@pytest.mark.parametrize("kind, fsdp_version", [("FSDP", 1), ("DEEPSPEED", None), ("MEGATRON_LM", None)])
+def test_engines_with_their_own_format_are_refused_before_anything_is_written(tmp_path, kind, fsdp_version) -> None:
     from accelerate.utils import DistributedType
 
     from fastpersist.integrations.accelerate import AcceleratorCheckpointer
 
-    fake = types.SimpleNamespace(distributed_type=DistributedType.FSDP)
-    with pytest.raises(fp.CheckpointError, match="sharded"):
+    fake = types.SimpleNamespace(distributed_type=getattr(DistributedType, kind), is_fsdp2=False)
+    with pytest.raises(fp.CheckpointError, match=kind if fsdp_version is None else "fsdp_version=1"):
         AcceleratorCheckpointer(fake, str(tmp_path / "ckpt"))  # type: ignore[arg-type]
     assert not (tmp_path / "ckpt").exists()
+
+
+FSDP_CHILD = "integration_accelerate_fsdp_child.py"
+FSDP_STEPS = 6
+FSDP_KILL = 3
+
+
+def test_fsdp2_kill_and_resume_is_exact_and_reshards(tmp_path) -> None:
+    """accelerate's FSDP2 plugin over 2 gloo processes (see fsdp2_kill_resume_reshard)."""
+    fsdp2_kill_resume_reshard(FSDP_CHILD, tmp_path, root="ckpt", model="model_0", optimizer="optimizer_0",
+                              weight="0.weight", buffers_key="model_0", steps=FSDP_STEPS, kill=FSDP_KILL)

@@ -9,7 +9,8 @@ import os
 import fastpersist as fp
 import pytest
 
-from integration_util import check_resumed, random_kill, read_losses, require, run_child, run_job
+from integration_util import (check_resumed, fsdp2_kill_resume_reshard, random_kill, read_losses, require, run_child,
+                              run_job)
 
 CHILD = "integration_transformers_child.py"
 STEPS = 8
@@ -74,3 +75,36 @@ def test_ddp_two_processes_kill_and_resume_is_exact(tmp_path) -> None:
 @pytest.mark.long
 def test_ddp_four_processes_kill_and_resume_is_exact(tmp_path) -> None:
     _ddp_kill_and_resume(tmp_path, 4)
+
+
+def test_fsdp2_kill_and_resume_is_exact_and_reshards(tmp_path) -> None:
+    """The Trainer with FSDP2 (fsdp_config={"fsdp_version": 2}, one unit per GPT-2 block) over
+    2 gloo processes (see fsdp2_kill_resume_reshard): the Trainer's FSDP was refused before."""
+    fsdp2_kill_resume_reshard("integration_transformers_fsdp_child.py", tmp_path, root="fastpersist", model="model",
+                              optimizer="optimizer", weight="transformer.h.0.attn.c_attn.weight", buffers_key=None,
+                              steps=6, kill=3)
+
+
+def test_fsdp1_is_refused_before_anything_is_written(tmp_path) -> None:
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from fastpersist.integrations.transformers import FastPersistTrainer
+    from integration_util import pretend_accelerator_fsdp2
+
+    class Trainer(FastPersistTrainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            pretend_accelerator_fsdp2(FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
+            self.is_fsdp_enabled = True
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True,
+                             fsdp_config={"fsdp_version": 1, "sync_module_states": False})
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+    try:
+        with pytest.raises(fp.CheckpointError, match="FSDP1"):
+            Trainer(model=model, args=args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert not (tmp_path / "fastpersist").exists()

@@ -4,11 +4,17 @@ Each submodule imports its framework when it is imported, never before; ``import
 imports none of them. Install the frameworks with the ``integrations`` extra.
 
 - :mod:`fastpersist.integrations.lightning`: ``FastPersistCheckpointIO`` and
-  ``AsyncFastPersistCheckpointIO``, Lightning ``CheckpointIO`` plugins.
+  ``AsyncFastPersistCheckpointIO``, Lightning ``CheckpointIO`` plugins, and the
+  ``FastPersistDDPStrategy`` / ``FastPersistModelParallelStrategy`` strategies.
 - :mod:`fastpersist.integrations.transformers`: ``FastPersistTrainer``, a Hugging Face
   ``Trainer`` whose ``save_steps`` checkpoints go through a Checkpointer.
 - :mod:`fastpersist.integrations.accelerate`: ``AcceleratorCheckpointer``, ``save_state`` /
   ``load_state`` of an ``Accelerator`` through a Checkpointer.
+- :mod:`fastpersist.integrations.torchtitan`: ``FastPersistCheckpointManager``, torchtitan's
+  checkpoint manager writing and reading through the DCP layer.
+
+The Trainer and accelerate adapters save FSDP2 state through torch's state-dict functions
+(``_fsdp2``).
 """
 
 __all__: list[str] = []

@@ -32,10 +32,15 @@ them: accelerate has no public accessor for them, so this module reads them in o
 hooks belong to accelerate's own file layout (they receive its output directory) and are not
 called.
 
-Not supported (a clear error): FSDP, DeepSpeed and Megatron-LM, whose state is sharded over
-processes. accelerate turns them on only for accelerator processes (never for CPU processes),
-so this adapter's sharded path could not be tested here, and is refused rather than shipped
-untested (see docs/INTEGRATIONS.md).
+FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``): each model's and optimizer's state
+is taken with torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` (DTensors keyed
+by parameter name, as accelerate's own sharded save takes it) and every process writes the
+chunks it owns; ``load_state`` fills the current mesh's DTensors, at any number of processes
+(resharding), and hands them back with ``set_model_state_dict`` / ``set_optimizer_state_dict``.
+Optimizer ``i`` belongs to model ``i``, as in accelerate's own FSDP save.
+
+Not supported (a clear error): FSDP1 (``fsdp_version=1``: flat parameters), DeepSpeed and
+Megatron-LM, which keep their state in their own engines' formats.
 """
 
 from __future__ import annotations
@@ -51,13 +56,14 @@ from accelerate.utils import DistributedType
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.errors import CheckpointError
 from fastpersist.handle import SaveHandle
+from fastpersist.integrations import _fsdp2 as fsdp2
 from fastpersist.state import RNGState
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AcceleratorCheckpointer", "registered"]
 
-_SHARDED = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+_ENGINES = ("DEEPSPEED", "MEGATRON_LM")
 
 
 def registered(accelerator: Accelerator) -> dict[str, Any]:
@@ -99,7 +105,8 @@ class AcceleratorCheckpointer:
             ``keep_every``, ``snapshot_bytes``, ``config``, ...).
 
     Raises:
-        CheckpointError: the accelerator shards its state (FSDP, DeepSpeed, Megatron-LM).
+        CheckpointError: the accelerator keeps its state in an engine of its own (FSDP1,
+            DeepSpeed, Megatron-LM).
     """
 
     def __init__(self, accelerator: Accelerator, roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
@@ -126,8 +133,11 @@ class AcceleratorCheckpointer:
                 if key.startswith("optimizer_"):
                     self.checkpointer.protect(getattr(opt, "optimizer", opt))
             self._protected = True
-        # a model's buffers (BatchNorm statistics) differ between ddp processes: rank 0's are saved
-        models = {k: _apart(v) for k, v in objects.items() if k.startswith("model_")}
+        # a model's buffers (BatchNorm statistics) differ between processes: rank 0's are saved
+        models = {k: _apart(v, _model_state(self.accelerator, v)) for k, v in objects.items()
+                  if k.startswith("model_")}
+        if _fsdp2(self.accelerator):
+            objects.update(_optimizer_states(objects, cpu_offload=False))
         state = {**objects, **{k: params for k, (params, _) in models.items()}, "step": step,
                  "accelerator_step": self.accelerator.step, "extra": dict(extra or {})}
         own: dict[str, Any] = {"rng": RNGState()}
@@ -148,11 +158,20 @@ class AcceleratorCheckpointer:
         _check_supported(self.accelerator)
         self.checkpointer.wait()
         objects = registered(self.accelerator)
-        state = self.checkpointer.load(step, into={k: v for k, v in objects.items() if not k.startswith("model_")})
+        into = {k: v for k, v in objects.items() if not k.startswith("model_")}
+        sharded = _fsdp2(self.accelerator)
+        if sharded:  # templates: this process's DTensors at the current mesh, filled in place
+            into.update({k: _model_state(self.accelerator, v, cpu_offload=True) for k, v in objects.items()
+                         if k.startswith("model_")})
+            into.update(_optimizer_states(objects, cpu_offload=True))
+        state = self.checkpointer.load(step, into=into)
         buffers = self.checkpointer.load_rank_state(state["step"], rank=0).get("model_buffers", {})
         for key, model in objects.items():
             if key.startswith("model_"):
-                model.load_state_dict({**state[key], **buffers.get(key, {})})
+                _set_model_state(self.accelerator, model, {**state[key], **buffers.get(key, {})})
+        if sharded:
+            for k, model, opt in _pairs(objects):
+                fsdp2.set_optimizer_state(model, opt, state[k])
         self.accelerator.step = int(state["accelerator_step"])
         if load_rng:
             self.load_rng_state(state["step"])
@@ -190,17 +209,50 @@ class AcceleratorCheckpointer:
         self.close()
 
 
-def _apart(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _apart(model: Any, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A model's state dict split into its parameters and its buffers."""
-    state = model.state_dict()
     names = {name for name, _ in model.named_buffers()}
     return ({k: v for k, v in state.items() if k not in names}, {k: v for k, v in state.items() if k in names})
 
 
+def _fsdp2(accelerator: Accelerator) -> bool:
+    return bool(accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2)
+
+
+def _model_state(accelerator: Accelerator, model: Any, *, cpu_offload: bool = False) -> dict[str, Any]:
+    """A model's state dict: its own, or under FSDP2 its sharded one."""
+    return fsdp2.model_state(model, cpu_offload=cpu_offload) if _fsdp2(accelerator) else dict(model.state_dict())
+
+
+def _set_model_state(accelerator: Accelerator, model: Any, state: dict[str, Any]) -> None:
+    if _fsdp2(accelerator):
+        fsdp2.set_model_state(model, state)
+    else:
+        model.load_state_dict(state)
+
+
+def _pairs(objects: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Under FSDP2, (key, model, optimizer) of each optimizer: optimizer i belongs to model i."""
+    models = [v for k, v in objects.items() if k.startswith("model_")]
+    optimizers = [(k, v) for k, v in objects.items() if k.startswith("optimizer_")]
+    if len(optimizers) > len(models):
+        raise CheckpointError(f"fastpersist pairs optimizer i with model i under FSDP2 (as accelerate's own FSDP save "
+                              f"does), but the Accelerator prepared {len(optimizers)} optimizers for "
+                              f"{len(models)} models")
+    return [(k, models[i], opt) for i, (k, opt) in enumerate(optimizers)]
+
+
+def _optimizer_states(objects: dict[str, Any], *, cpu_offload: bool) -> dict[str, Any]:
+    """Under FSDP2, each optimizer's sharded state dict."""
+    return {k: fsdp2.optimizer_state(model, opt, cpu_offload=cpu_offload) for k, model, opt in _pairs(objects)}
+
+
 def _check_supported(accelerator: Accelerator) -> None:
     kind = accelerator.distributed_type
-    if any(kind == getattr(DistributedType, name, None) for name in _SHARDED):
+    if any(kind == getattr(DistributedType, name, None) for name in _ENGINES) or (
+            kind == DistributedType.FSDP and not accelerator.is_fsdp2):
         raise CheckpointError(
-            f"fastpersist cannot checkpoint an Accelerator with distributed_type={kind}: its model and optimizer "
-            "state is sharded over processes, and accelerate runs it only on accelerators, where this adapter's "
-            "sharded path has not been tested (use accelerator.save_state for it)")
+            f"fastpersist cannot checkpoint an Accelerator with distributed_type={kind}"
+            f"{'' if kind != DistributedType.FSDP else ' and fsdp_version=1'}: its model and optimizer state lives "
+            "in that engine's own format (flat parameters, engine shards); fastpersist saves FSDP2's DTensor state "
+            "(FullyShardedDataParallelPlugin(fsdp_version=2)) — use accelerator.save_state for this one")

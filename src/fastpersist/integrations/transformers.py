@@ -27,9 +27,15 @@ The subclass overrides those five methods and ``train``, nothing else; the Train
 logic itself (``trainer_state.json`` in the directory it is given) is used as is, from a
 temporary directory holding only that file.
 
+FSDP2 (``fsdp_config={"fsdp_version": 2}``): the model's and optimizer's state is taken with
+torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` (DTensors by parameter name)
+and every rank writes the chunks it owns; a resume fills the current mesh's DTensors at any
+number of processes (resharding), after the Trainer has sharded the model, and hands them back
+with ``set_model_state_dict`` / ``set_optimizer_state_dict``.
+
 Not supported (a clear error): ``load_best_model_at_end`` and ``save_strategy="best"`` (they
-need the Trainer's checkpoint directories), DeepSpeed and FSDP (sharded state on accelerators
-only, untested here: see docs/INTEGRATIONS.md).
+need the Trainer's checkpoint directories), DeepSpeed and FSDP1 (state in their engines' own
+formats: see docs/INTEGRATIONS.md).
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from fastpersist import catalog
 from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
+from fastpersist.integrations import _fsdp2 as fsdp2
 from fastpersist.state import RNGState
+from fastpersist.view import open as open_view
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +118,7 @@ class FastPersistTrainer(Trainer):
         # per-process timings, and the Trainer itself writes trainer_state.json from the main
         # process) and the model's buffers (BatchNorm statistics: each ddp rank's differ).
         # Each rank's own: its RNG states.
-        model = self.model.state_dict()
+        model = fsdp2.model_state(self.model) if self._fsdp2 else self.model.state_dict()
         buffers = {name for name, _ in self.model.named_buffers()}
         own_buffers = {k: model.pop(k) for k in list(model) if k in buffers}
         state: dict[str, Any] = {"model": model}
@@ -118,7 +126,7 @@ class FastPersistTrainer(Trainer):
         if self.args.process_index == 0:
             rank_state.update(trainer_state=_state_json(self.state), model_buffers=own_buffers)
         if not self.args.save_only_model:
-            state["optimizer"] = self.optimizer
+            state["optimizer"] = fsdp2.optimizer_state(self.model, self.optimizer) if self._fsdp2 else self.optimizer
             state["scheduler"] = self.lr_scheduler
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
@@ -126,6 +134,10 @@ class FastPersistTrainer(Trainer):
             rank_state["rng"] = RNGState()
         self.checkpointer.save(self.state.global_step, state, rank_state=rank_state or None,
                                metadata={"trainer": "transformers", "global_step": self.state.global_step})
+
+    @property
+    def _fsdp2(self) -> bool:
+        return bool(getattr(self, "is_fsdp_enabled", False)) and _fsdp_version(self) == 2
 
     def _export_callback_states(self) -> None:
         """Put the stateful callbacks' current state into ``TrainerState`` (as the Trainer does)."""
@@ -189,17 +201,22 @@ class FastPersistTrainer(Trainer):
     def _read(self, step_dir: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The replicated state and this rank's own state of the checkpoint in ``step_dir``."""
         others = [os.path.abspath(r) for r in self.fastpersist_roots[1:]]
-        state = load_checkpoint(step_dir, others, map_location="cpu")
+        # under FSDP2 the replicated state is read once the Trainer has sharded the model (its
+        # DTensors are the destinations: see _load_from_checkpoint)
+        state: dict[str, Any] = ({"step_dir": step_dir} if self._fsdp2
+                                 else load_checkpoint(step_dir, others, map_location="cpu"))
         objects = catalog.read_manifest(step_dir).objects
         first = load_checkpoint(step_dir, others, rank=0, map_location="cpu") if mf.rank_object(0) in objects else {}
         if "trainer_state" in first:  # (checkpoints of earlier versions hold it in the replicated state)
             state["trainer_state"] = first["trainer_state"]
-            state["model"] = {**state["model"], **first.get("model_buffers", {})}
+            state["model_buffers"] = first.get("model_buffers", {})
+            if "model" in state:
+                state["model"] = {**state["model"], **state["model_buffers"]}
         rank = self.args.process_index
         logger.info("rank %d resumes from %s", rank, step_dir)
         own = first if rank == 0 else (load_checkpoint(step_dir, others, rank=rank, map_location="cpu")
                                        if mf.rank_object(rank) in objects else {})
-        if "optimizer" in state and "rng" not in own:
+        if "rng" in first and "rng" not in own:
             logger.warning("the checkpoint in %s was saved by fewer processes: process %d has no RNG state to "
                            "restore (as the Trainer's own checkpoints; resuming is not bit-exact then)", step_dir, rank)
         return state, own if "rng" in own else None
@@ -216,15 +233,37 @@ class FastPersistTrainer(Trainer):
         if not self._ours(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         target = self.model if model is None else model
-        target.load_state_dict(self._loaded()[0]["model"])
+        state = self._loaded()[0]
+        if self._fsdp2:
+            self._load_sharded(target, state)
+            return None
+        target.load_state_dict(state["model"])
         return None
+
+    def _load_sharded(self, model: Any, state: dict[str, Any]) -> None:
+        """Under FSDP2: read the replicated state into this process's DTensors at the current
+        mesh (each rank reads only the bytes its shards overlap) and hand the model its own."""
+        step_dir = state["step_dir"]
+        view = open_view([os.path.dirname(step_dir), *(os.path.abspath(r) for r in self.fastpersist_roots[1:])])
+        step = catalog.parse_step_dir(os.path.basename(step_dir))
+        if step is None:
+            raise CheckpointError(f"{step_dir} is not a checkpoint's step directory")
+        into: dict[str, Any] = {"model": fsdp2.model_state(model, cpu_offload=True)}
+        saved = view.manifest(step).sharded
+        if any(e.path[0] == "optimizer" for e in saved):
+            into["optimizer"] = fsdp2.optimizer_state(model, self.optimizer, cpu_offload=True)
+        state.update(view.load(step, into=into, map_location="cpu"))
+        fsdp2.set_model_state(model, {**state["model"], **state.get("model_buffers", {})})
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self._ours(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         state = self._loaded()[0]
         if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self._fsdp2:
+                fsdp2.set_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["scheduler"])
         return None
 
@@ -254,16 +293,21 @@ def _state_json(state: Any) -> str:
     return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
 
 
+def _fsdp_version(trainer: Trainer) -> int:
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return int(getattr(plugin, "fsdp_version", 1))
+
+
 def _check_supported(trainer: Trainer) -> None:
     args = trainer.args
     if args.load_best_model_at_end or str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
         raise CheckpointError("FastPersistTrainer does not support load_best_model_at_end or save_strategy='best' "
                               "(they rely on the Trainer's checkpoint directories); use the plain Trainer for them")
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+    if getattr(trainer, "is_deepspeed_enabled", False) or (
+            getattr(trainer, "is_fsdp_enabled", False) and _fsdp_version(trainer) != 2):
         raise CheckpointError(
-            "FastPersistTrainer does not support DeepSpeed or FSDP: their state is sharded over ranks, and the "
-            "Trainer runs them only on accelerators (accelerate enables FSDP for GPU-like devices, never on CPU "
-            "processes), where this adapter's sharded path has not been tested; use the plain Trainer for them, or "
-            "Lightning's FastPersistModelParallelStrategy / torchtitan's FastPersistCheckpointManager for FSDP2")
+            "FastPersistTrainer does not support DeepSpeed or FSDP1: their engines keep the state in formats of "
+            "their own (ZeRO partitions, flat parameters); fastpersist saves FSDP2's DTensor state "
+            "(fsdp_config={'fsdp_version': 2}); use the plain Trainer for these")
     if args.push_to_hub:
         raise CheckpointError("FastPersistTrainer does not push checkpoints to the Hub (push_to_hub=True)")

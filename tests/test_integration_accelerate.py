@@ -6,11 +6,14 @@ owners and resharded at load; FSDP1 and DeepSpeed refused."""
 from __future__ import annotations
 
 import os
+import shutil
 import types
 
 import pytest
+import torch
 
 import fastpersist as fp
+from helpers import assert_state_equal
 from integration_util import (check_resumed, fsdp2_kill_resume_reshard, random_kill, read_losses, require, run_child,
                               run_job)
 
@@ -78,3 +81,32 @@ def test_fsdp2_kill_and_resume_is_exact_and_reshards(tmp_path) -> None:
     """accelerate's FSDP2 plugin over 2 gloo processes (see fsdp2_kill_resume_reshard)."""
     fsdp2_kill_resume_reshard(FSDP_CHILD, tmp_path, root="ckpt", model="model_0", optimizer="optimizer_0",
                               weight="0.weight", buffers_key="model_0", steps=FSDP_STEPS, kill=FSDP_KILL)
+
+
+def test_fsdp2_optimizer_saved_before_its_first_step_is_left_as_it_is(tmp_path) -> None:
+    """torch's optimizer state-dict functions step an optimizer without state once (zero
+    gradients, lr 0): a save or a load before the first step must not leave it one step ahead."""
+    run_job(FSDP_CHILD, [str(tmp_path), "save-before-the-first-step"], 2, str(tmp_path))
+
+
+def test_fsdp2_checkpoint_resumes_without_fsdp_and_a_plain_one_is_refused_under_fsdp2(tmp_path) -> None:
+    """An FSDP2 checkpoint loads into a ddp job (its tensors read whole, every value equal to
+    the checkpoint's); a ddp checkpoint is refused under FSDP2, naming why, before the model,
+    optimizer or any registered object is touched."""
+    sharded, plain = tmp_path / "sharded", tmp_path / "plain"
+    sharded.mkdir(), plain.mkdir()
+    run_job(FSDP_CHILD, [str(sharded), "3", "0"], 2, str(tmp_path))
+    saved = fp.open(shutil.copytree(str(sharded / "ckpt"), str(tmp_path / "saved")))  # before retention
+    run_job(FSDP_CHILD, [str(sharded), "5", "0", "--plain"], 2, str(tmp_path))
+    (_, resumed) = read_losses(str(sharded))
+    assert sorted(resumed) == [3, 4]
+    loaded = torch.load(str(sharded / "loaded.pt"), weights_only=False)
+    state = saved.load(2)
+    buffers = saved.load_rank_state(2, rank=0, weights_only=False)["model_buffers"]["model_0"]
+    assert_state_equal(dict(sorted(loaded["model"].items())), dict(sorted({**state["model_0"], **buffers}.items())),
+                       layout=False)
+    assert_state_equal(loaded["optimizer"], state["optimizer_0"], layout=False)
+
+    run_job(FSDP_CHILD, [str(plain), "3", "0", "--plain"], 2, str(tmp_path))
+    with pytest.raises(AssertionError, match="model_0 was saved without FSDP2"):
+        run_job(FSDP_CHILD, [str(plain), "5", "0"], 2, str(tmp_path))

@@ -97,6 +97,32 @@ def test_load_at_world_size_one_without_a_process_group(fsdp_saved):
                        layout=False)
 
 
+def _save_loaded_whole(rank: int, world: int, roots: list[str], out: str) -> bool:
+    state = fastpersist.open(roots).load(7)  # whole tensors, as a ddp job reading a sharded checkpoint
+    with Checkpointer(out) as ckpt:
+        ckpt.save(8, state).wait()  # written once for all ranks: every rank's layout must agree
+    return True
+
+
+def test_whole_tensors_of_a_sharded_load_can_be_saved_again_as_replicated_state(fsdp_saved, tmp_path):
+    """Each whole tensor owns a storage of exactly its bytes (its aligned read buffer's place
+    in the allocation differs between processes; the replicated state's layout may not)."""
+    _, roots, full = fsdp_saved
+    tensors: list[torch.Tensor] = []
+
+    def walk(x) -> None:
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(fastpersist.open(roots).load(7))
+    assert len(tensors) > 8 and all(t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes for t in tensors)
+    assert run_ranks(tmp_path, 2, _save_loaded_whole, roots, str(tmp_path / "again")) == [True, True]
+    assert_state_equal(gathered(fastpersist.open(str(tmp_path / "again")).load(8)), full, layout=False)
+
+
 def test_keys_reads_only_those_tensors(fsdp_saved):
     _, roots, full = fsdp_saved
     view = fastpersist.open(roots)

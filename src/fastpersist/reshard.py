@@ -64,11 +64,22 @@ class Target:
 
 
 def whole(path: str, entry: mf.ShardedEntry) -> torch.Tensor:
-    """A fresh, page-aligned tensor of ``entry``'s global shape and dtype."""
+    """A fresh, page-aligned tensor of ``entry``'s global shape and dtype, the only user of a
+    storage of exactly its bytes (as a tensor of a replicated load): where the aligned buffer
+    lies in its allocation differs from process to process, and a tensor loaded here may be
+    saved again as replicated state, whose layout every rank must agree on."""
     dtype = getattr(torch, entry.dtype)
     if not entry.nbytes:
         return torch.empty(entry.shape, dtype=dtype)
-    return allocate(path, entry.nbytes)[: entry.nbytes].view(dtype).view(entry.shape)
+    buf = allocate(path, entry.nbytes)
+    shift = int(buf.storage_offset())
+    storage = buf.untyped_storage()[shift: shift + entry.nbytes]  # a view that keeps the allocation alive
+    strides: list[int] = []
+    n = 1
+    for size in reversed(entry.shape):
+        strides.insert(0, n)
+        n *= size
+    return torch.empty(0, dtype=dtype).set_(storage, 0, entry.shape, strides)
 
 
 @dataclass

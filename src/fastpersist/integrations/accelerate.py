@@ -37,7 +37,9 @@ is taken with torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` (D
 by parameter name, as accelerate's own sharded save takes it) and every process writes the
 chunks it owns; ``load_state`` fills the current mesh's DTensors, at any number of processes
 (resharding), and hands them back with ``set_model_state_dict`` / ``set_optimizer_state_dict``.
-Optimizer ``i`` belongs to model ``i``, as in accelerate's own FSDP save.
+An optimizer belongs to the prepared model that owns its parameters. A checkpoint saved under
+FSDP2 also loads without FSDP (its tensors read whole); one saved without FSDP is refused under
+FSDP2 before anything is loaded.
 
 Not supported (a clear error): FSDP1 (``fsdp_version=1``: flat parameters), DeepSpeed and
 Megatron-LM, which keep their state in their own engines' formats.
@@ -57,7 +59,7 @@ from fastpersist.checkpointer import Checkpointer
 from fastpersist.errors import CheckpointError
 from fastpersist.handle import SaveHandle
 from fastpersist.integrations import _fsdp2 as fsdp2
-from fastpersist.state import RNGState
+from fastpersist.state import RNGState, restore_into
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +139,7 @@ class AcceleratorCheckpointer:
         models = {k: _apart(v, _model_state(self.accelerator, v)) for k, v in objects.items()
                   if k.startswith("model_")}
         if _fsdp2(self.accelerator):
-            objects.update(_optimizer_states(objects, cpu_offload=False))
+            objects.update(_optimizer_states(objects))
         state = {**objects, **{k: params for k, (params, _) in models.items()}, "step": step,
                  "accelerator_step": self.accelerator.step, "extra": dict(extra or {})}
         own: dict[str, Any] = {"rng": RNGState()}
@@ -158,20 +160,26 @@ class AcceleratorCheckpointer:
         _check_supported(self.accelerator)
         self.checkpointer.wait()
         objects = registered(self.accelerator)
-        into = {k: v for k, v in objects.items() if not k.startswith("model_")}
-        sharded = _fsdp2(self.accelerator)
-        if sharded:  # templates: this process's DTensors at the current mesh, filled in place
-            into.update({k: _model_state(self.accelerator, v, cpu_offload=True) for k, v in objects.items()
-                         if k.startswith("model_")})
-            into.update(_optimizer_states(objects, cpu_offload=True))
-        state = self.checkpointer.load(step, into=into)
-        buffers = self.checkpointer.load_rank_state(state["step"], rank=0).get("model_buffers", {})
-        for key, model in objects.items():
-            if key.startswith("model_"):
-                _set_model_state(self.accelerator, model, {**state[key], **buffers.get(key, {})})
-        if sharded:
-            for k, model, opt in _pairs(objects):
+        models = {k: v for k, v in objects.items() if k.startswith("model_")}
+        others = {k: v for k, v in objects.items() if not k.startswith("model_")}
+        if _fsdp2(self.accelerator):
+            # templates: CPU copies of this process's DTensors at the current mesh, filled in place;
+            # nothing live is touched until the checkpoint is known to be sharded
+            templates = {k: fsdp2.model_state(v, cpu_offload=True) for k, v in models.items()}
+            pairs = _pairs(objects)
+            optimizers = {k: fsdp2.optimizer_template(model, opt) for k, model, opt in pairs}
+            expected = fsdp2.sharded_names(templates)
+            state = self.checkpointer.load(step, into={**templates, **optimizers})
+            fsdp2.check_sharded(state, expected, f"{self.checkpointer.roots[0]}: step {state['step']}")
+            restore_into(state, {k: v for k, v in others.items() if k not in optimizers},
+                         str(self.checkpointer.roots[0]))
+            for k, model, opt in pairs:
                 fsdp2.set_optimizer_state(model, opt, state[k])
+        else:  # the models' tensors are read whole (also from a checkpoint saved under FSDP2)
+            state = self.checkpointer.load(step, into={**{k: {} for k in models}, **others})
+        buffers = self.checkpointer.load_rank_state(state["step"], rank=0).get("model_buffers", {})
+        for key, model in models.items():
+            _set_model_state(self.accelerator, model, {**state[key], **buffers.get(key, {})})
         self.accelerator.step = int(state["accelerator_step"])
         if load_rng:
             self.load_rng_state(state["step"])
@@ -232,19 +240,25 @@ def _set_model_state(accelerator: Accelerator, model: Any, state: dict[str, Any]
 
 
 def _pairs(objects: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """Under FSDP2, (key, model, optimizer) of each optimizer: optimizer i belongs to model i."""
+    """Under FSDP2, (key, model, optimizer) of each optimizer: the model owning its parameters."""
     models = [v for k, v in objects.items() if k.startswith("model_")]
-    optimizers = [(k, v) for k, v in objects.items() if k.startswith("optimizer_")]
-    if len(optimizers) > len(models):
-        raise CheckpointError(f"fastpersist pairs optimizer i with model i under FSDP2 (as accelerate's own FSDP save "
-                              f"does), but the Accelerator prepared {len(optimizers)} optimizers for "
-                              f"{len(models)} models")
-    return [(k, models[i], opt) for i, (k, opt) in enumerate(optimizers)]
+    owner = {id(p): i for i, m in enumerate(models) for p in m.parameters()}
+    out = []
+    for key, opt in ((k, v) for k, v in objects.items() if k.startswith("optimizer_")):
+        inner = getattr(opt, "optimizer", opt)
+        found = {owner.get(id(p)) for group in inner.param_groups for p in group["params"]}
+        if len(found) != 1 or None in found:
+            raise CheckpointError(
+                f"fastpersist saves an FSDP2 optimizer with the one prepared model that owns its parameters; the "
+                f"parameters of {key} belong to {len(found - {None})} prepared models"
+                f"{' and to none' if None in found else ''}")
+        out.append((key, models[found.pop()], opt))  # type: ignore[index]
+    return out
 
 
-def _optimizer_states(objects: dict[str, Any], *, cpu_offload: bool) -> dict[str, Any]:
+def _optimizer_states(objects: dict[str, Any]) -> dict[str, Any]:
     """Under FSDP2, each optimizer's sharded state dict."""
-    return {k: fsdp2.optimizer_state(model, opt, cpu_offload=cpu_offload) for k, model, opt in _pairs(objects)}
+    return {k: fsdp2.optimizer_state(model, opt) for k, model, opt in _pairs(objects)}
 
 
 def _check_supported(accelerator: Accelerator) -> None:

@@ -207,6 +207,9 @@ class FastPersistTrainer(Trainer):
                                  else load_checkpoint(step_dir, others, map_location="cpu"))
         objects = catalog.read_manifest(step_dir).objects
         first = load_checkpoint(step_dir, others, rank=0, map_location="cpu") if mf.rank_object(0) in objects else {}
+        if self._fsdp2 and "trainer_state" not in first:
+            raise CheckpointError(f"{step_dir} was saved by an earlier fastpersist, without FSDP2 (its TrainerState is "
+                                  "in the replicated state); resume it without FSDP")
         if "trainer_state" in first:  # (checkpoints of earlier versions hold it in the replicated state)
             state["trainer_state"] = first["trainer_state"]
             state["model_buffers"] = first.get("model_buffers", {})
@@ -244,15 +247,19 @@ class FastPersistTrainer(Trainer):
         """Under FSDP2: read the replicated state into this process's DTensors at the current
         mesh (each rank reads only the bytes its shards overlap) and hand the model its own."""
         step_dir = state["step_dir"]
-        view = open_view([os.path.dirname(step_dir), *(os.path.abspath(r) for r in self.fastpersist_roots[1:])])
+        view = open_view([os.path.dirname(step_dir), *(os.path.abspath(r) for r in self.fastpersist_roots[1:])],
+                         config=self.fastpersist_kwargs.get("config"), backend=self.fastpersist_kwargs.get("backend"))
         step = catalog.parse_step_dir(os.path.basename(step_dir))
         if step is None:
             raise CheckpointError(f"{step_dir} is not a checkpoint's step directory")
-        into: dict[str, Any] = {"model": fsdp2.model_state(model, cpu_offload=True)}
-        saved = view.manifest(step).sharded
-        if any(e.path[0] == "optimizer" for e in saved):
-            into["optimizer"] = fsdp2.optimizer_state(model, self.optimizer, cpu_offload=True)
-        state.update(view.load(step, into=into, map_location="cpu"))
+        templates = {"model": fsdp2.model_state(model, cpu_offload=True)}
+        into: dict[str, Any] = dict(templates)
+        if any(e.path[0] == "optimizer" for e in view.manifest(step).sharded):
+            into["optimizer"] = fsdp2.optimizer_template(model, self.optimizer)
+        expected = fsdp2.sharded_names(templates)
+        loaded = view.load(step, into=into, map_location="cpu")  # fills the templates: nothing live yet
+        fsdp2.check_sharded(loaded, expected, step_dir)
+        state.update(loaded)
         fsdp2.set_model_state(model, {**state["model"], **state.get("model_buffers", {})})
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

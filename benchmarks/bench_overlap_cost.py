@@ -6,12 +6,16 @@ in blocks of ``--block`` iterations (the first not measured), rotated round by r
 overhead is paired by round against "none", with a 95% bootstrap interval (the demo's method):
 
 * ``none``: no checkpoint;
-* ``overlap``: ``Checkpointer(mode="overlap")``, a checkpoint every iteration;
+* ``overlap``: ``Checkpointer(mode="overlap")``, a checkpoint every iteration (the
+  interpreter's switch interval lowered to 0.5 ms while a save runs: fastpersist.gil);
+* ``overlap, 5 ms interval``: the same with the interpreter's default interval kept
+  (``IOConfig(switch_interval_us=0)``), as before fastpersist lowered it;
 * ``overlap nice 19``: the same with the save thread at niceness 19 (Linux, per thread; the
   writer threads it starts inherit it): does the background take the training thread's CPU?
 * ``GIL G ms``: no checkpoint, but a thread that runs pure Python (holding the GIL, no I/O, no
   memory traffic) for ``--gil-ms`` of CPU time after every iteration: what holding the GIL that
   long costs training by itself;
+* ``GIL G ms, 0.5 ms interval``: the same with the interpreter's switch interval at 0.5 ms;
 
 and, with ``--profile``, the GIL-held time of the save thread per save, sampled by py-spy
 (``py-spy record --gil``, 250 Hz) over a run of overlap saves, by function.
@@ -36,6 +40,7 @@ import torch
 
 from _bench.models import ModelSpec, build, train_step
 from _bench.savers import FastpersistSaver, make_saver
+from fastpersist.config import IOConfig
 from _bench.stats import overhead
 
 
@@ -67,12 +72,15 @@ class _GilHolder:
 def measure(rounds: int, block: int, gil_ms: float, directory: str) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     holder = _GilHolder(gil_ms / 1e3)
-    names = ["none", "overlap", "overlap nice 19", f"GIL {gil_ms:g} ms"]
+    held = f"GIL {gil_ms:g} ms"
+    names = ["none", "overlap", "overlap, 5 ms interval", "overlap nice 19", held, f"{held}, 0.5 ms interval"]
     runs = {}
     for n in names:
         model, opt, data = build(ModelSpec(batch=8), seed=0)
         kind = "overlap" if n.startswith("overlap") else "none"
-        runs[n] = (model, opt, data, make_saver(kind, os.path.join(directory, n.replace(" ", "_")), opt, keep=1))
+        config = IOConfig(switch_interval_us=0) if n == "overlap, 5 ms interval" else None
+        runs[n] = (model, opt, data, make_saver(kind, os.path.join(directory, n.replace(" ", "_").replace(",", "")),
+                                                opt, keep=1, config=config))
     it = 0
     others: set[int] | None = None  # the save threads that are not the nice contender's
     out: dict[str, list[float]] = {n: [] for n in names}
@@ -82,6 +90,8 @@ def measure(rounds: int, block: int, gil_ms: float, directory: str) -> dict[str,
             times = []
             if n == "overlap nice 19" and others is None:
                 others = _save_threads()
+            if n.endswith("0.5 ms interval"):  # the GIL holder's turn as fastpersist's saves take theirs
+                sys.setswitchinterval(0.0005)
             for _ in range(block):
                 t0 = time.perf_counter()
                 train_step(model, opt, data)
@@ -93,6 +103,7 @@ def measure(rounds: int, block: int, gil_ms: float, directory: str) -> dict[str,
                 if n == "overlap nice 19" and r == 0 and others is not None:
                     for tid in _save_threads() - others:  # its own, started by its first save
                         os.setpriority(os.PRIO_PROCESS, tid, 19)
+            sys.setswitchinterval(0.005)
             if isinstance(saver, FastpersistSaver):
                 saver.ck.wait()  # the next contender starts with no save in flight
             if r:

@@ -19,6 +19,7 @@ from torch import nn
 from _bench.measure import remove
 from _bench.models import Tokens
 from fastpersist.checkpointer import Checkpointer
+from fastpersist.config import IOConfig
 from fastpersist.state import RNGState
 
 # ------------------------------------------------------------------------------- one save
@@ -127,10 +128,11 @@ class DCPAsyncSaver(Saver):
 class FastpersistSaver(Saver):
     """A Checkpointer in ``mode`` (overlap: it guards the optimizer passed to :meth:`protect`)."""
 
-    def __init__(self, root: str, mode: str, *, keep: int, snapshot_bytes: int | None = None) -> None:
+    def __init__(self, root: str, mode: str, *, keep: int, snapshot_bytes: int | None = None,
+                 config: IOConfig | None = None) -> None:
         self.name = f"fastpersist {mode}"
-        self.ck = (Checkpointer(root, mode=mode, keep=keep) if snapshot_bytes is None
-                   else Checkpointer(root, mode=mode, keep=keep, snapshot_bytes=snapshot_bytes))
+        self.ck = (Checkpointer(root, mode=mode, keep=keep, config=config) if snapshot_bytes is None
+                   else Checkpointer(root, mode=mode, keep=keep, snapshot_bytes=snapshot_bytes, config=config))
         self.rng = RNGState()
 
     def protect(self, opt: torch.optim.Optimizer) -> None:
@@ -150,7 +152,7 @@ class FastpersistSaver(Saver):
 
 
 def make_saver(kind: str, directory: str, opt: torch.optim.Optimizer, *, keep: int = 1,
-               snapshot_bytes: int | None = None) -> Saver:
+               snapshot_bytes: int | None = None, config: IOConfig | None = None) -> Saver:
     """The saver ``kind`` (``none``, ``torch.save``, ``dcp``, or a fastpersist mode: ``sync``,
     ``snapshot``, ``overlap``), writing in ``directory`` (its own); an overlap saver guards ``opt``."""
     if kind == "none":
@@ -159,6 +161,6 @@ def make_saver(kind: str, directory: str, opt: torch.optim.Optimizer, *, keep: i
         return TorchSaver(os.path.join(directory, "torch.pt"))
     if kind == "dcp":
         return DCPAsyncSaver(directory)
-    saver = FastpersistSaver(directory, kind, keep=keep, snapshot_bytes=snapshot_bytes)
+    saver = FastpersistSaver(directory, kind, keep=keep, snapshot_bytes=snapshot_bytes, config=config)
     saver.protect(opt)
     return saver

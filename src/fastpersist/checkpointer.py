@@ -184,7 +184,8 @@ class Checkpointer(ReadMethods):
         self.history = History(history)  # metrics of recent saves, and totals
         self.check_replicated = bool(check_replicated)
         self._closed = False
-        self._driver = SaveDriver(self._run, self._finished, self.comm, max_in_flight, when_busy)
+        self._driver = SaveDriver(self._run, self._finished, self.comm, max_in_flight, when_busy,
+                                  (config or get_config()).switch_interval_us)
         self._stager = Stager(snapshot_bytes, self.comm.rank)
         self._guard = OverlapGuard(self._driver.in_flight, self._driver.raise_failed)
         self._drainer = _drainer(store, self.roots, self.comm.rank, durable_every, durable_keep, abandoned,

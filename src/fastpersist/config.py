@@ -12,6 +12,8 @@ environment variable that overrides it::
     FASTPERSIST_VERIFY        1 | 0             (verify checksums on load by default)
     FASTPERSIST_DRAIN_NICE    0..19             (the durable tier's drain thread's CPU niceness)
     FASTPERSIST_PIPELINE      auto | on | off   (a snapshot's copy pipelined with its writes)
+    FASTPERSIST_SWITCH_US     microseconds      (the interpreter's switch interval during
+                                                 background saves; 0 leaves it alone)
 
 :func:`configure` changes the process-wide defaults and doubles as a context manager that
 restores the previous ones.
@@ -63,6 +65,10 @@ class IOConfig:
     # training's threads. 0 drains at training's priority; 19 only when the CPU is otherwise idle.
     drain_nice: int = 10
     snapshot_pipeline: str = "auto"
+    # While a save runs in the background, the interpreter's switch interval is at most this
+    # (microseconds; 0 leaves it alone): the training thread waits at most this long for the
+    # GIL when the save thread runs Python (fastpersist.gil).
+    switch_interval_us: int = 500
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
@@ -76,6 +82,8 @@ class IOConfig:
         for name in ("num_buffers", "writer_threads", "reader_threads"):
             if getattr(self, name) < 1:
                 raise CheckpointError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.switch_interval_us <= 100_000:
+            raise CheckpointError(f"switch_interval_us must be in 0..100000, got {self.switch_interval_us}")
         if not 0 <= self.drain_nice <= 19:
             raise CheckpointError(f"drain_nice must be in 0..19, got {self.drain_nice}")
         if self.direct not in _DIRECT_MODES:
@@ -97,6 +105,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
         "FASTPERSIST_READERS": ("reader_threads", 1),
         "FASTPERSIST_READ_CHUNK_MB": ("read_chunk_bytes", MiB),
         "FASTPERSIST_DRAIN_NICE": ("drain_nice", 1),
+        "FASTPERSIST_SWITCH_US": ("switch_interval_us", 1),
     }
     out: dict[str, object] = {}
     for var, (field, scale) in ints.items():

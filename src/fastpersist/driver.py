@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import Callable
 
+from fastpersist import gil
 from fastpersist.dist import Comm
 from fastpersist.handle import Completion
 from fastpersist.job import SaveJob
@@ -33,7 +34,7 @@ class SaveDriver:
     """
 
     def __init__(self, run: Callable[[SaveJob], None], done: Callable[[SaveJob, BaseException | None], None],
-                 comm: Comm, max_in_flight: int = 1, when_busy: str = "wait") -> None:
+                 comm: Comm, max_in_flight: int = 1, when_busy: str = "wait", switch_interval_us: int = 0) -> None:
         if when_busy not in WHEN_BUSY:
             raise ValueError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
         self._run = run
@@ -48,6 +49,7 @@ class SaveDriver:
         self._failed: list[Completion] = []
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._switch_us = switch_interval_us
 
     @property
     def running(self) -> bool:
@@ -99,7 +101,9 @@ class SaveDriver:
                 return
             error: BaseException | None = None
             try:
-                self._run(job)
+                # a background job shares the GIL with training in short turns (fastpersist.gil)
+                with gil.shared(0 if job.inline else self._switch_us):
+                    self._run(job)
             except BaseException as e:  # noqa: BLE001 - reported through the handle
                 error = e
             self._done(job, error)

@@ -216,7 +216,7 @@ def test_a_copy_that_fails_in_save_is_raised_once_commits_nothing_and_hangs_noth
                 ck.save(2, _state(2))
         ck.wait(timeout=60)  # ends (the job failed instead of waiting) and raises nothing again
         assert [c.step for c in ck.list()] == [1] and ck.load()["step"] == 1
-        assert not fills._active, "a fill stayed registered after its job ended"
+        assert fills.registered() == 0, "a fill stayed registered after its job ended"
         h = ck.save(3, _state(3))
         h.result(60)
         got = ck.load(3)

@@ -441,18 +441,16 @@ def test_every_holder_must_find_a_chunk_unchanged():
     meta = dtensor.ChunkMeta(("w",), "float32", (64, 64), (0, 0), (64, 64))
     key = (meta.path, meta.offsets, meta.sizes)
     layout = dtensor.assign([[meta], [meta]])  # held by ranks 0 and 1 (a replicated shard)
-    inc = Incremental(0, 2)
-
     def reference(writer: int) -> _Reference:
         return _Reference("step-00000001", (), {(0, "f.bin"): (meta.nbytes, writer)}, [],
                           {key: [((0, "f.bin"), PlacedExtent(0, 0, meta.nbytes, 0, 7))]})
 
-    inc._ref = reference(1)
+    inc = Incremental(0, 2, reference=reference(1))
     assert inc.plan_chunks(layout, [{key}, set()], "id")[1] == []  # rank 1 saw a change
     new_layout, reused = inc.plan_chunks(layout, [{key}, {key}], "id")
     assert [(r.rank, r.source) for r in reused] == [(1, "f.bin")] and new_layout.pieces == []
-    inc._ref = reference(3)  # written by a rank that no longer holds it: written again, never linked
-    assert inc.plan_chunks(layout, [{key}, {key}], "id")[1] == []
+    inc = Incremental(0, 2, reference=reference(3))  # written by a rank that no longer holds it:
+    assert inc.plan_chunks(layout, [{key}, {key}], "id")[1] == []  # written again, never linked
 
 
 def test_overlap_mode_writes_guarded_tensors_from_live_memory_exactly(tmp_path):

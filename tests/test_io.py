@@ -72,7 +72,7 @@ def test_zero_copy_from_aligned_memory(tmp_path, small_io):
     assert digests["x"] == xxhash.xxh3_64_intdigest(src.numpy().tobytes())
     # 300_001 bytes = 73 aligned pages written from the tensor; only the first 8 KiB of zeros
     # went through the pool, and the 1-byte tail through the buffered descriptor.
-    assert pool._created == 1
+    assert pool.created == 1
 
 
 def test_overlapping_pieces_are_refused(tmp_path, small_io):
@@ -85,7 +85,7 @@ def test_pool_memory_stays_bounded(tmp_path, small_io):
     pool = BufferPool(small_io.chunk_bytes, small_io.num_buffers, pin=False)
     t = _bytes_tensor(5_000_000, 4)
     _write(str(tmp_path / "f"), [Piece(0, t.numel(), tensor=t)], small_io, pool)
-    assert pool._created <= small_io.num_buffers
+    assert pool.created <= small_io.num_buffers
     assert os.path.getsize(tmp_path / "f") == t.numel()
 
 
@@ -116,8 +116,8 @@ def test_enospc_names_the_file_and_returns_buffers(small_fs, small_io):
     with pytest.raises(CheckpointWriteError, match=r"big.*No space left"):
         _write(path, [Piece(0, 100, data=b"h" * 100), Piece(4096, t.numel(), tensor=t)], small_io, pool)
     assert fds_under(small_fs) == []
-    got = [pool.acquire(timeout=1) for _ in range(pool._created)]
-    assert len(got) == pool._created, "every staging buffer must return to the pool after a failure"
+    got = [pool.acquire(timeout=1) for _ in range(pool.created)]
+    assert len(got) == pool.created, "every staging buffer must return to the pool after a failure"
 
 
 # ----------------------------------------------------------------------------- reader

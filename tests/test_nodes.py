@@ -191,7 +191,7 @@ def test_two_nodes_each_hold_everything_and_a_lost_node_is_replaced(tmp_path):
     assert run_ranks(tmp_path, 4, _load, base, PER_NODE, "latest", 2) == [2] * 4
     # after the restore the next save is fully redundant again
     run_ranks(tmp_path, 4, _save_steps, base, PER_NODE, [3], {"keep": 2})
-    m = Checkpointer(roots_of(base, "node1"), node="node1")._view.manifest("latest")
+    m = fastpersist.open(roots_of(base, "node1")).manifest("latest")
     assert m.step == 3 and m.nodes == ("node0", "node1")
     for _, e in copies.extents(m):
         assert {m.files[f].node for f, _ in e.locations()} == {0, 1}
@@ -200,7 +200,7 @@ def test_two_nodes_each_hold_everything_and_a_lost_node_is_replaced(tmp_path):
 def test_four_nodes_lose_one_restore_on_a_replacement_and_on_one_node_fewer(tmp_path):
     base = str(tmp_path / "nodes")
     run_ranks(tmp_path, 4, _save_steps, base, 1, [0, 1], {})
-    m = Checkpointer(roots_of(base, "node0"), node="node0")._view.manifest(1)
+    m = fastpersist.open(roots_of(base, "node0")).manifest(1)
     rep = m.objects[mf.REPLICATED]
     on_node = [0] * 4
     for s in rep.storages:
@@ -240,7 +240,7 @@ def _flip(path, at):
 def test_a_flipped_byte_in_one_copy_is_read_from_another(tmp_path):
     base = str(tmp_path / "nodes")
     run_ranks(tmp_path, 4, _save_steps, base, 1, [0], {})
-    m = Checkpointer(roots_of(base, "node0"), node="node0")._view.manifest("latest")
+    m = fastpersist.open(roots_of(base, "node0")).manifest("latest")
     e = max((e for _, e in copies.extents(m)), key=lambda e: e.nbytes)
     f, off = e.locations()[0]
     node = m.nodes[m.files[f].node]
@@ -310,7 +310,7 @@ def test_a_one_node_checkpoint_restores_on_two_nodes(tmp_path):
     base = str(tmp_path / "nodes")
     with Checkpointer(roots_of(base, "node0"), node="node0") as ck:
         ck.save(4, replicated(4), rank_state=per_rank(4, 0))
-    assert Checkpointer(roots_of(base, "node0"))._view.manifest(4).version == 3
+    assert fastpersist.open(roots_of(base, "node0")).manifest(4).version == 3
     assert run_ranks(tmp_path, 4, _load_scaled_out, base) == [4] * 4
 
 

@@ -185,12 +185,12 @@ def _sample(data: memoryview) -> bytes:
 class Incremental:
     """One rank's part of incremental saving: probing its units, planning, learning each commit."""
 
-    def __init__(self, rank: int, world: int, block: int = BLOCK) -> None:
+    def __init__(self, rank: int, world: int, block: int = BLOCK, *, reference: _Reference | None = None) -> None:
         self.rank, self.world, self.block = rank, world, block
         self._units: tuple[tuple[int, ...], list[Unit]] = ((), [])  # the last sizes' units
         self._unit_block = block  # their size (larger than ``block`` for a very large state)
         self.disabled = False  # the filesystem refused hard links
-        self._ref: _Reference | None = None
+        self._ref = reference  # the last commit's (learnt at each commit; given here to plan against one)
         # (sample, digest) at the last commit, of this rank's units and of the chunks it holds
         self._seen: dict[int | ChunkKey, Seen] = {}
         self._pending: dict[int | ChunkKey, Seen] = {}  # this save's, adopted at its commit

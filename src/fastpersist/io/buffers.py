@@ -226,6 +226,11 @@ class BufferPool:
     def release(self, buf: StagingBuffer) -> None:
         self._free.put(buf)
 
+    @property
+    def created(self) -> int:
+        """How many buffers the pool has allocated so far (at most ``count``)."""
+        return self._created
+
 
 _shared_pools: dict[tuple[int, int, int], BufferPool] = {}
 _shared_lock = threading.Lock()

@@ -75,6 +75,12 @@ class Fill:
         self.wait(self.size)
 
 
+def registered() -> int:
+    """How many fills are registered now (one per pipelined save whose job holds its arena)."""
+    with _lock:
+        return len(_active)
+
+
 def wait_filled(addr: int, nbytes: int) -> None:
     """Block until the ``nbytes`` of host memory at ``addr`` hold their snapshot copy (at once
     when no fill covers them)."""

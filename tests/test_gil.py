@@ -24,7 +24,10 @@ def default_interval():
     sys.setswitchinterval(before)
 
 
-def _held_save(tmp_path, mode: str, config: IOConfig | None = None):
+ON = IOConfig(switch_interval_us=500)
+
+
+def _held_save(tmp_path, mode: str, config: IOConfig | None = ON):
     backend = HeldBackend(hold="step-00000001")
     ckpt = Checkpointer(str(tmp_path / "ckpt"), mode=mode, backend=backend, config=config)
     handle = ckpt.save(1, STATE)
@@ -51,7 +54,7 @@ def test_a_change_made_during_the_save_is_kept(tmp_path) -> None:
     assert sys.getswitchinterval() == pytest.approx(0.002)
 
 
-def test_a_lower_interval_and_a_zero_setting_are_left_alone(tmp_path) -> None:
+def test_a_lower_interval_and_the_default_setting_are_left_alone(tmp_path) -> None:
     sys.setswitchinterval(0.0001)
     ckpt, backend, handle = _held_save(tmp_path, "snapshot")
     assert backend.holding.wait(30)
@@ -60,7 +63,7 @@ def test_a_lower_interval_and_a_zero_setting_are_left_alone(tmp_path) -> None:
     handle.wait()
     ckpt.close()
     sys.setswitchinterval(0.005)
-    ckpt, backend, handle = _held_save(tmp_path / "off", "snapshot", IOConfig(switch_interval_us=0))
+    ckpt, backend, handle = _held_save(tmp_path / "off", "snapshot", None)  # the default: off
     assert backend.holding.wait(30)
     assert sys.getswitchinterval() == pytest.approx(0.005)
     backend.release()

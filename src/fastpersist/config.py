@@ -13,7 +13,7 @@ environment variable that overrides it::
     FASTPERSIST_DRAIN_NICE    0..19             (the durable tier's drain thread's CPU niceness)
     FASTPERSIST_PIPELINE      auto | on | off   (a snapshot's copy pipelined with its writes)
     FASTPERSIST_SWITCH_US     microseconds      (the interpreter's switch interval during
-                                                 background saves; 0 leaves it alone)
+                                                 background saves; 0, the default, leaves it)
 
 :func:`configure` changes the process-wide defaults and doubles as a context manager that
 restores the previous ones.
@@ -66,9 +66,10 @@ class IOConfig:
     drain_nice: int = 10
     snapshot_pipeline: str = "auto"
     # While a save runs in the background, the interpreter's switch interval is at most this
-    # (microseconds; 0 leaves it alone): the training thread waits at most this long for the
-    # GIL when the save thread runs Python (fastpersist.gil).
-    switch_interval_us: int = 500
+    # (microseconds; 0, the default, leaves it alone): the training thread then waits at most
+    # this long for the GIL when the save thread runs Python (fastpersist.gil). Off by default:
+    # measured, it did not lower overlap mode's cost (docs/BENCHMARKS.md).
+    switch_interval_us: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:

@@ -9,8 +9,10 @@ a whole interval, so a background save costs training about the time its Python 
 training thread waits at most that long each time, and the save's Python runs while training
 is inside its operators.
 
-While a Checkpointer writes in the background, fastpersist lowers the interval to
-``IOConfig.switch_interval_us`` (``FASTPERSIST_SWITCH_US``; 0 leaves it alone) and puts back
+When ``IOConfig.switch_interval_us`` (``FASTPERSIST_SWITCH_US``) is set (it is 0, off, by
+default: measured on the demo's GPT it halved what a thread holding only the GIL costs training
+but did not lower what overlap mode's saves cost, docs/BENCHMARKS.md), fastpersist lowers the
+interval to it while a Checkpointer writes in the background and puts back
 the value it found when the last background save of the process ends, unless someone changed
 the interval meanwhile (theirs is kept). A value already lower is kept. The interval is the
 interpreter's, shared by every thread of the process.

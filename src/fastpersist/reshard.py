@@ -74,12 +74,7 @@ def whole(path: str, entry: mf.ShardedEntry) -> torch.Tensor:
     buf = allocate(path, entry.nbytes)
     shift = int(buf.storage_offset())
     storage = buf.untyped_storage()[shift: shift + entry.nbytes]  # a view that keeps the allocation alive
-    strides: list[int] = []
-    n = 1
-    for size in reversed(entry.shape):
-        strides.insert(0, n)
-        n *= size
-    return torch.empty(0, dtype=dtype).set_(storage, 0, entry.shape, strides)
+    return torch.empty(0, dtype=dtype).set_(storage).view(entry.shape)
 
 
 @dataclass

@@ -13,8 +13,8 @@ imports none of them. Install the frameworks with the ``integrations`` extra.
 - :mod:`fastpersist.integrations.torchtitan`: ``FastPersistCheckpointManager``, torchtitan's
   checkpoint manager writing and reading through the DCP layer.
 
-The Trainer and accelerate adapters save FSDP2 state through torch's state-dict functions
-(``_fsdp2``).
+The Trainer and accelerate adapters save and load FSDP2 state, and Lightning's FSDP2 strategy
+loads it, through torch's state-dict functions as ``_fsdp2`` wraps them.
 """
 
 __all__: list[str] = []

@@ -271,9 +271,9 @@ class FastPersistModelParallelStrategy(ModelParallelStrategy):
             self.fastpersist_io.remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from fastpersist.integrations import _fsdp2 as fsdp2
 
         path = self.broadcast(os.path.abspath(os.fspath(checkpoint_path)))
         self.fastpersist_io.wait()
@@ -284,12 +284,9 @@ class FastPersistModelParallelStrategy(ModelParallelStrategy):
         if self.model is None or self.lightning_module is None:
             raise CheckpointError(f"loading {path}: the model is not set up by the strategy yet")
         only = True if weights_only is None else weights_only
-        options = StateDictOptions(cpu_offload=True)
-        # templates: this process's DTensors at the current mesh (an optimizer not stepped yet
-        # gets its state initialised by get_optimizer_state_dict), filled in place
-        into = {"state_dict": get_model_state_dict(self.model, options=options),
-                **{f"optimizer_{i}": get_optimizer_state_dict(self.model, o, options=options)
-                   for i, o in enumerate(self.optimizers)}}
+        # templates: this process's DTensors at the current mesh, filled in place
+        into = {"state_dict": fsdp2.model_state(self.model, cpu_offload=True),
+                **{f"optimizer_{i}": fsdp2.optimizer_template(self.model, o) for i, o in enumerate(self.optimizers)}}
         view = open_view(os.path.dirname(step_dir))  # the published root (or its .fp-old, after a crash)
         step = catalog.parse_step_dir(os.path.basename(step_dir))
         if step is None:  # pragma: no cover - directory_checkpoint names a step directory
@@ -300,7 +297,7 @@ class FastPersistModelParallelStrategy(ModelParallelStrategy):
         loaded["state_dict"].update(own.pop(BUFFERS, {}))
         set_model_state_dict(self.model, loaded["state_dict"], options=StateDictOptions(strict=strict))
         for i, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, loaded[f"optimizer_{i}"], options=options)
+            fsdp2.set_optimizer_state(self.model, optimizer, loaded[f"optimizer_{i}"])
         return own
 
     def teardown(self) -> None:

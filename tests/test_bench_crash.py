@@ -18,9 +18,13 @@ def test_the_kill_lands_in_the_chosen_write_and_the_run_resumes_exactly(tmp_path
     r = crash_and_resume(str(tmp_path), spec=TINY, steps=6, kill_after=3, timeout_s=120)
     assert r["returncode"] == -9
     assert r["killed_mid_write"]
-    # what the kill left (before the resumed run cleaned it): step 3's data, begun, no manifest
+    # what the kill left (before the resumed run cleaned it): step 3's data, begun, no manifest;
+    # and, if the kill came while retention (keep=2) was deleting step 0 after step 2's commit,
+    # step 0 without its manifest (removed first), never a step retention keeps
     assert list(r["in_progress"]) == ["step-00000003"]
     assert r["in_progress"]["step-00000003"] > 0, "the first data write of the checkpoint did not reach its file"
+    assert set(r["being_deleted"]) <= {"step-00000000"}
+    assert r["left_after_resume"] == []
     assert r["resumed_from"] == 2
     reference, resumed = r["reference"], r["resumed"]
     assert sorted(reference) == list(range(6)) and sorted(resumed) == [3, 4, 5]

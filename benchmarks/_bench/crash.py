@@ -82,17 +82,25 @@ def _wait_for_stall(fd: int, timeout: float) -> bool:
     return False
 
 
-def _in_progress(run_dir: str) -> dict[str, int]:
-    """Checkpoint directories holding data files but no manifest (saves being written), with the
-    bytes of data those files hold."""
-    out = {}
-    for n in sorted(os.listdir(run_dir)):
+def _uncommitted(run_dir: str) -> tuple[dict[str, int], list[str]]:
+    """What the kill left without a manifest: checkpoint directories newer than the newest
+    committed one (saves being written), with the bytes of data their files hold, and the older
+    ones (deletions by retention that were under way: a deletion removes the manifest first)."""
+    names = sorted(n for n in os.listdir(run_dir) if n.startswith("step-") and os.path.isdir(os.path.join(run_dir, n)))
+    committed = [n for n in names if os.path.exists(os.path.join(run_dir, n, "manifest.json"))]
+    newest = committed[-1] if committed else ""
+    writing, deleting = {}, []
+    for n in names:
+        if n in committed:
+            continue
+        if n < newest:
+            deleting.append(n)
+            continue
         d = os.path.join(run_dir, n)
-        if n.startswith("step-") and os.path.isdir(d) and not os.path.exists(os.path.join(d, "manifest.json")):
-            data = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".bin")]
-            if data:
-                out[n] = sum(os.path.getsize(f) for f in data)
-    return out
+        data = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".bin")]
+        if data:
+            writing[n] = sum(os.path.getsize(f) for f in data)
+    return writing, deleting
 
 
 def crash_and_resume(directory: str, *, spec: ModelSpec = ModelSpec(), steps: int = 24, kill_after: int = 10,
@@ -102,9 +110,12 @@ def crash_and_resume(directory: str, *, spec: ModelSpec = ModelSpec(), steps: in
 
     Returns the losses (``{step: float.hex}``) of the reference run, the killed run and the
     resumed run, the step the run resumed from, ``returncode`` of the killed run (-9),
-    ``in_progress``: the checkpoint directories the kill left with data files and no manifest,
-    with their bytes of data (the resumed run removes them), and ``killed_mid_write``: the child
-    had stalled inside the write, and such a directory was left.
+    ``in_progress``: the checkpoint directories newer than the newest committed one that the kill
+    left with data files and no manifest, with their bytes of data, ``being_deleted``: older
+    directories without a manifest (retention's deletion was under way), ``left_after_resume``:
+    the directories without a manifest still there after the resumed run (it removes them at its
+    start), and ``killed_mid_write``: the child had stalled inside the write, and a directory in
+    progress was left.
     """
     os.makedirs(directory, exist_ok=True)
     run_dir = os.path.join(directory, "run")
@@ -123,10 +134,13 @@ def crash_and_resume(directory: str, *, spec: ModelSpec = ModelSpec(), steps: in
     if killed.proc.poll() is None:
         os.kill(killed.proc.pid, signal.SIGKILL)  # the crash itself: no cleanup runs in the child
     killed_out = killed.wait(timeout_s, check=False)
-    in_progress = _in_progress(run_dir)
+    in_progress, being_deleted = _uncommitted(run_dir)
     reference = losses(ref.wait(timeout_s))
     resumed_out = _Child(directory, "resumed", ["--dir", run_dir, *common, "--resume"]).wait(timeout_s)
+    left_after_resume = [n for n in sorted(os.listdir(run_dir))
+                         if n.startswith("step-") and not os.path.exists(os.path.join(run_dir, n, "manifest.json"))]
     start = next((int(x.split()[-1]) for x in resumed_out.splitlines() if x.startswith("resumed from step")), None)
     return {"reference": reference, "killed": losses(killed_out), "resumed": losses(resumed_out),
-            "resumed_from": start, "in_progress": in_progress, "killed_mid_write": stalled and bool(in_progress),
+            "resumed_from": start, "in_progress": in_progress, "being_deleted": being_deleted,
+            "left_after_resume": left_after_resume, "killed_mid_write": stalled and bool(in_progress),
             "returncode": killed.proc.returncode}

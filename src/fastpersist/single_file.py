@@ -33,7 +33,7 @@ from fastpersist.format import integrity, references, skeleton, torchzip
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import align_down, align_up, memory_view, shared_pool
 from fastpersist.io.files import DirectFile, file_size, preallocate, pwrite_all
-from fastpersist.io.reader import ReadRequest, allocate, read_into
+from fastpersist.io.reader import Landed, ReadRequest, allocate, read_into, read_then_rebuild
 from fastpersist.io.writer import Piece, write_pieces
 
 logger = logging.getLogger(__name__)
@@ -136,30 +136,13 @@ def _read_small(path: str, file: DirectFile, records: dict[str, torchzip.Record]
     return small
 
 
-def _read_storages(path: str, file: DirectFile, records: dict[str, torchzip.Record],
-                   cfg: IOConfig, progress: Callable[[int], None] | None = None) -> tuple[torch.Tensor, int]:
-    """One aligned buffer holding the file's bytes from the first storage to the last, and the
-    file offset its first byte stands for."""
+def _storage_region(path: str, records: dict[str, torchzip.Record]) -> tuple[torch.Tensor, int, int]:
+    """One aligned buffer for the file's bytes from the first storage to the last, the file
+    offset its first byte stands for, and the bytes to read."""
     data = [r for r in records.values() if r.name.startswith("data/")]
     base = align_down(min((r.offset for r in data), default=0))
     end = max((r.offset + r.nbytes for r in data), default=base)
-    region = allocate(path, align_up(end - base))
-    read_into(file, [ReadRequest(base, end - base, region.data_ptr(), region.numel(), fresh=True)], cfg, progress)
-    return region, base
-
-
-def _read(path: str, cfg: IOConfig, backend: FileBackend, progress: Callable[[int], None] | None = None
-          ) -> tuple[dict[str, torchzip.Record], dict[str, bytes], torch.Tensor, int]:
-    file = _open_for_read(path, cfg, backend)
-    try:
-        records = torchzip.read_directory(path, file.read_exact, file_size(file.fd))
-        small = _read_small(path, file, records)
-        region, base = _read_storages(path, file, records, cfg, progress)
-    except OSError as e:
-        raise CheckpointReadError(f"reading {path} failed: {e.strerror or e}") from e
-    finally:
-        file.close()
-    return records, small, region, base
+    return allocate(path, align_up(end - base)), base, end - base
 
 
 def load(
@@ -188,17 +171,44 @@ def load(
     cfg = config or get_config()
     path = os.fspath(path)
     do_verify = cfg.verify if verify is None else verify
-    records, small, region, base = _read(path, cfg, backend or FileBackend(), progress)
-    if do_verify:
-        integrity.check(path, records, small, _record_bytes(records, small, region, base), cfg.reader_threads)
-    sizes = {n[len("data/"):]: r.nbytes for n, r in records.items() if n.startswith("data/")}
-    problems = references.binding_problems(small["data.pkl"], sizes)
-    if problems:
-        raise CorruptCheckpointError(f"{path}: {problems[0]}; the file is damaged")
-    shift = base - int(region.storage_offset())  # file offset -> offset in the region's storage
-    offsets = {n: r.offset - shift for n, r in records.items() if n.startswith("data/")}
-    archive = skeleton.ArchiveView(small, offsets)
-    return skeleton.rebuild(path, archive, region.untyped_storage(), map_location, weights_only)
+    file = _open_for_read(path, cfg, backend or FileBackend())
+    try:
+        records = torchzip.read_directory(path, file.read_exact, file_size(file.fd))
+        small = _read_small(path, file, records)
+        region, base, nbytes = _storage_region(path, records)
+        shift = base - int(region.storage_offset())  # file offset -> offset in the region's storage
+        record_bytes = _record_bytes(records, small, region, base)
+
+        def read(landed: Landed | None) -> None:
+            read_into(file, [ReadRequest(base, nbytes, region.data_ptr(), region.numel(), fresh=True)], cfg,
+                      progress, landed)
+
+        def check(landed: Landed | None) -> None:
+            if not do_verify:
+                return
+
+            def landed_bytes(name: str) -> memoryview | bytes:
+                if landed is not None and name not in small:
+                    landed.wait(region.data_ptr() + records[name].offset - base, records[name].nbytes)
+                return record_bytes(name)
+
+            integrity.check(path, records, small, landed_bytes, cfg.reader_threads, in_file_order=landed is not None)
+
+        def rebuild() -> Any:
+            sizes = {n[len("data/"):]: r.nbytes for n, r in records.items() if n.startswith("data/")}
+            problems = references.binding_problems(small["data.pkl"], sizes)
+            if problems:
+                raise CorruptCheckpointError(f"{path}: {problems[0]}; the file is damaged")
+            offsets = {n: r.offset - shift for n, r in records.items() if n.startswith("data/")}
+            archive = skeleton.ArchiveView(small, offsets)
+            return skeleton.rebuild(path, archive, region.untyped_storage(), map_location, weights_only)
+
+        overlap = "data.pkl" in small and references.rebuild_reads_no_bytes(small["data.pkl"], small, map_location)
+        return read_then_rebuild(read, check, rebuild, overlap)
+    except OSError as e:
+        raise CheckpointReadError(f"reading {path} failed: {e.strerror or e}") from e
+    finally:
+        file.close()
 
 
 def _record_bytes(records: dict[str, torchzip.Record], small: dict[str, bytes], region: torch.Tensor,

@@ -29,18 +29,21 @@ RecordBytes = Callable[[str], "memoryview | bytes"]
 
 
 def check(path: str, records: Mapping[str, torchzip.Record], small: Mapping[str, bytes],
-          data: RecordBytes, threads: int) -> str:
+          data: RecordBytes, threads: int, in_file_order: bool = False) -> str:
     """Verify every record of the file at ``path``; returns what it was checked against
     (``"xxh3-64"`` or ``"CRC-32"``). Raises :class:`ChecksumMismatchError` or
-    :class:`UnverifiedCheckpointError`, naming the file and the record."""
+    :class:`UnverifiedCheckpointError`, naming the file and the record.
+
+    Records are hashed largest first, or, with ``in_file_order``, in the order they lie in the
+    file (``data`` then waits for each record's bytes as they are read)."""
     if torchzip.CHECKSUM_RECORD in small:
         expected = torchzip.parse_checksums(path, small[torchzip.CHECKSUM_RECORD])
         _check_coverage(path, records, expected)
-        _compare(path, records, expected, data, threads, xxhash.xxh3_64_intdigest, "xxh3-64", 16)
+        _compare(path, records, expected, data, threads, xxhash.xxh3_64_intdigest, "xxh3-64", 16, in_file_order)
         return torchzip.HASH_NAME
     if any(r.crc32 for r in records.values()):
         crcs = {n: r.crc32 for n, r in records.items()}
-        _compare(path, records, crcs, data, threads, zlib.crc32, "CRC-32", 8)
+        _compare(path, records, crcs, data, threads, zlib.crc32, "CRC-32", 8, in_file_order)
         return "CRC-32"
     raise UnverifiedCheckpointError(
         f"{path} carries no checksums: it has no {torchzip.CHECKSUM_RECORD} record and its zip directory "
@@ -62,8 +65,8 @@ def _check_coverage(path: str, records: Mapping[str, torchzip.Record], expected:
 
 
 def _compare(path: str, records: Mapping[str, torchzip.Record], expected: Mapping[str, int], data: RecordBytes,
-             threads: int, digest: Callable[..., int], kind: str, width: int) -> None:
-    names = sorted(expected, key=lambda n: -records[n].nbytes)
+             threads: int, digest: Callable[..., int], kind: str, width: int, in_file_order: bool) -> None:
+    names = sorted(expected, key=(lambda n: records[n].offset) if in_file_order else (lambda n: -records[n].nbytes))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastpersist-verify") as ex:
         got = dict(zip(names, ex.map(lambda n: digest(data(n)), names)))
     for n in sorted(expected):

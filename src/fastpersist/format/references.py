@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -118,13 +119,31 @@ def _view_problem(storage: Any, offset: Any, size: Any, stride: Any) -> str | No
     return None
 
 
+# Globals whose rebuild reads no byte of a tensor's storage: tensors and parameters as views of
+# their storages, and plain containers and values around them.
+_BYTE_FREE = {
+    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"), ("collections", "OrderedDict"),
+    ("torch", "device"), ("torch", "Size"),
+    *((b, n) for b in ("builtins", "__builtin__") for n in ("set", "frozenset", "slice", "complex", "bytearray")),
+}
+
+
+def _byte_free(module: str, name: str) -> bool:
+    if (module, name) in _BYTE_FREE or _storage_type(module, name) is not None:
+        return True
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
 class _Scanner(pickle.Unpickler):
     def __init__(self, raw: bytes) -> None:
         super().__init__(io.BytesIO(raw), encoding="utf-8")
         self.found: list[Reference] = []
         self.views: list[str] = []
+        self.byte_free = True  # every global it names rebuilds without reading storage bytes
+        self.locations: set[str] = set()
 
     def find_class(self, module: str, name: str) -> Any:
+        self.byte_free = self.byte_free and _byte_free(module, name)
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self._rebuild_tensor
         return _storage_type(module, name) or _Inert
@@ -138,6 +157,7 @@ class _Scanner(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         ref = _reference(pid)
+        self.locations.add(str(pid[3]))
         self.found.append(ref)
         return _StorageRef(ref)
 
@@ -171,6 +191,25 @@ def references(raw: bytes) -> tuple[list[Reference], list[str], str | None]:
     except Exception as e:  # noqa: BLE001 - any damage in a pickle surfaces here, named
         return scanner.found, scanner.views, f"the pickle is damaged ({type(e).__name__}: {str(e)[:120]})"
     return scanner.found, scanner.views, None
+
+
+def rebuild_reads_no_bytes(raw: bytes, small: Mapping[str, bytes], map_location: Any) -> bool:
+    """True when torch's loader, given the pickle ``raw`` (and the file's ``small`` records),
+    builds every tensor as a view of its storage without reading a byte of it: the pickle names
+    only tensors, parameters, storage types and plain values (no subclass, sparse or quantized
+    tensor, nothing whose rebuild runs code), every storage is a CPU one and stays on the CPU
+    (``map_location`` None or the CPU), and the bytes need no byte swap. The object can then be
+    rebuilt while its bytes are still being read."""
+    if map_location is not None and str(map_location) != "cpu":
+        return False
+    if small.get("byteorder", b"").decode(errors="replace") != sys.byteorder:
+        return False
+    scanner = _Scanner(raw)
+    try:
+        scanner.load()
+    except Exception:  # noqa: BLE001 - a damaged pickle: the loader will say what is wrong
+        return False
+    return scanner.byte_free and scanner.locations <= {"cpu"}
 
 
 def binding_problems(raw: bytes, sizes: Mapping[str, int]) -> list[str]:

@@ -6,16 +6,22 @@ offset is read with O_DIRECT (the head before it through the page cache) in
 ``read_chunk_bytes`` requests spread over ``reader_threads`` threads (os.preadv releases the
 GIL); a final partial block is read with O_DIRECT too when the destination has room for the
 whole block, else through the page cache. Unaligned requests are read through the page cache.
+
+:class:`Landed` tells a consumer which destination bytes the reads have filled so far, so that
+checksums are computed while the rest is still being read (a load then ends a moment after
+its last read, not one pass over the memory later).
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,6 +103,69 @@ def _run(file: DirectFile, job: _Job) -> None:
         )
 
 
+class ReadsStopped(CheckpointReadError):
+    """The reads were stopped (:meth:`Landed.stop`) or failed before the bytes waited for landed;
+    the reads' own error, if any, is what the caller reports."""
+
+
+class Landed:
+    """The destination ranges the reads have filled, as merged ``[start, end)`` address spans.
+
+    Reader threads :meth:`add` each completed read; a consumer :meth:`wait` s for the range it
+    needs. :meth:`stop` ends the wait of every consumer (a read failed, or the load gave up) and
+    makes the reads not yet started skip their work.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._stopped: str | None = None
+
+    def add(self, addr: int, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        with self._cond:
+            start, end = addr, addr + nbytes
+            lo = bisect.bisect_left(self._ends, start)  # first span that ends at or after start
+            hi = bisect.bisect_right(self._starts, end)  # spans from lo to hi touch [start, end)
+            if lo < hi:
+                start = min(start, self._starts[lo])
+                end = max(end, self._ends[hi - 1])
+            self._starts[lo:hi] = [start]
+            self._ends[lo:hi] = [end]
+            self._cond.notify_all()
+
+    def covered(self, addr: int, nbytes: int) -> bool:
+        with self._cond:
+            return self._covered(addr, nbytes)
+
+    def _covered(self, addr: int, nbytes: int) -> bool:
+        if nbytes <= 0:
+            return True
+        i = bisect.bisect_right(self._starts, addr) - 1
+        return i >= 0 and self._ends[i] >= addr + nbytes
+
+    def wait(self, addr: int, nbytes: int) -> None:
+        """Block until ``[addr, addr + nbytes)`` is filled; raises :class:`ReadsStopped` if the
+        reads stop first."""
+        with self._cond:
+            while not self._covered(addr, nbytes):
+                if self._stopped is not None:
+                    raise ReadsStopped(self._stopped)
+                self._cond.wait()
+
+    def stop(self, why: str) -> None:
+        with self._cond:
+            if self._stopped is None:
+                self._stopped = why
+            self._cond.notify_all()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped is not None
+
+
 _POPULATE_THREADS = 2
 
 
@@ -133,11 +202,13 @@ def _populate_ahead(requests: Sequence[ReadRequest], step: int, stop: threading.
 
 
 def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfig,
-              progress: Callable[[int], None] | None = None) -> None:
+              progress: Callable[[int], None] | None = None, landed: Landed | None = None) -> None:
     """Read every request, in parallel; raises on the first failure.
 
     ``progress``, if given, is called with the byte count of each completed read (from the
     reader threads, so it must be thread-safe); the counts add up to the bytes requested.
+    ``landed``, if given, hears of every destination range filled, and is stopped when a read
+    fails; once it is stopped, reads not yet started are skipped (:class:`ReadsStopped`).
     """
     jobs = _jobs(requests, file, config.read_chunk_bytes)
     if not jobs:
@@ -147,10 +218,10 @@ def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfi
     try:
         if len(jobs) == 1 or config.reader_threads == 1:
             for j in jobs:
-                _guarded(file, j, progress)
+                _guarded(file, j, progress, landed)
             return
         with ThreadPoolExecutor(max_workers=config.reader_threads, thread_name_prefix="fastpersist-reader") as ex:
-            futures = [ex.submit(_guarded, file, j, progress) for j in jobs]
+            futures = [ex.submit(_guarded, file, j, progress, landed) for j in jobs]
             try:
                 for f in futures:
                     f.result()
@@ -158,17 +229,62 @@ def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfi
                 for f in futures:
                     f.cancel()
                 raise
+    except BaseException as e:
+        if landed is not None:
+            landed.stop(f"reading {file.path} failed: {e}")
+        raise
     finally:
         stop.set()
         for t in helpers:
             t.join()
 
 
-def _guarded(file: DirectFile, job: _Job, progress: Callable[[int], None] | None = None) -> None:
+def read_then_rebuild(read: Callable[[Landed | None], None], check: Callable[[Landed | None], None],
+                      rebuild: Callable[[], Any], overlap: bool) -> Any:
+    """``read`` the bytes, ``check`` their checksums and ``rebuild`` the object over them.
+
+    With ``overlap`` (the rebuild reads no byte: see ``fastpersist.format.references.rebuild_reads_no_bytes``), the
+    reads run in a thread of their own, the checks follow them as the bytes land, and the object
+    is rebuilt meanwhile: a load ends a moment after its last read. The errors keep the order
+    of the sequential load: a read's failure, then a checksum's, then the rebuild's (damaged
+    bytes are the cause of a rebuild that fails on them). Every read has ended when this returns
+    or raises; an interrupt (not an error) stops the reads not yet started.
+    """
+    if not overlap:
+        read(None)
+        check(None)
+        return rebuild()
+    landed = Landed()
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="fastpersist-load") as ex:
+        reading = ex.submit(read, landed)
+        checking = ex.submit(check, landed)
+        try:
+            obj, failed = rebuild(), None
+        except Exception as e:  # noqa: BLE001 - raised below, after the reads' and checks' errors
+            obj, failed = None, e
+        except BaseException:
+            landed.stop("the load was interrupted")
+            raise
+        for done in (reading, checking):
+            error = done.exception()
+            if error is not None:
+                landed.stop("the load failed")
+                raise error
+    if failed is not None:
+        raise failed
+    return obj
+
+
+def _guarded(file: DirectFile, job: _Job, progress: Callable[[int], None] | None = None,
+             landed: Landed | None = None) -> None:
+    if landed is not None and landed.stopped:
+        raise ReadsStopped(f"reading {file.path} was stopped")
     try:
         _run(file, job)
         if progress is not None:
             progress(job.nbytes)
+        if landed is not None:
+            landed.add(job.addr, job.nbytes)
     except CheckpointReadError:
         raise
     except OSError as e:

@@ -30,6 +30,7 @@ from fastpersist.io.backend import REAL_FILES as _REAL_FILES
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import memory_view
 from fastpersist.io.files import DirectFile, file_size
+from fastpersist.io.reader import Landed
 
 
 # Storages in the read buffer start on this boundary (enough for any dtype).
@@ -134,22 +135,31 @@ def needed_files(manifest: mf.Manifest, names: Sequence[str], sharded: bool = Fa
                   | ({e.file for t in manifest.sharded for c in t.chunks for e in c.extents} if sharded else set()))
 
 
-def check_in_memory(work: Sequence[tuple[int, mf.ExtentEntry, Callable[[int], str]]], threads: int) -> None:
+def check_in_memory(work: Sequence[tuple[int, mf.ExtentEntry, Callable[[int], str]]], threads: int,
+                    landed: Landed | None = None) -> None:
     """Hash every extent where it was read to (address, extent, message for a digest that does
-    not match), largest first, in ``threads`` threads; raise one ChecksumMismatchError naming
-    the first problem (by message) and how many more there are."""
+    not match), in ``threads`` threads; raise one ChecksumMismatchError naming the first problem
+    (by message) and how many more there are.
+
+    With ``landed`` (reads still running), each extent is hashed once its bytes have landed, in
+    the order given (the order they are expected to land); a stop of the reads ends the check
+    with :class:`ReadsStopped`. Without, largest first.
+    """
     bad: list[str] = []
     lock = threading.Lock()
 
     def check(item: tuple[int, mf.ExtentEntry, Callable[[int], str]]) -> None:
         at, e, message = item
+        if landed is not None:
+            landed.wait(at, e.nbytes)
         got = xxhash.xxh3_64_intdigest(memory_view(at, e.nbytes))
         if got != e.checksum:
             with lock:
                 bad.append(message(got))
 
+    order = list(work) if landed is not None else sorted(work, key=lambda w: -w[1].nbytes)
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="fastpersist-verify") as ex:
-        list(ex.map(check, sorted(work, key=lambda w: -w[1].nbytes)))
+        list(ex.map(check, order))
     if bad:
         bad.sort()
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 import threading
 import time
@@ -15,7 +16,6 @@ import torch
 
 import fastpersist
 from fastpersist.errors import ChecksumMismatchError, CheckpointReadError, CorruptCheckpointError
-from fastpersist.faults import Fault, FaultyBackend
 from fastpersist.format import references, skeleton
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.reader import Landed, ReadsStopped, read_then_rebuild
@@ -77,43 +77,139 @@ def test_a_stop_ends_every_wait_with_reads_stopped():
 # ------------------------------------------------------------------------- read_then_rebuild
 
 
-def _stage(read_error=None, check_error=None, rebuild_error=None):
+def _stage(read_error=None, check_error=None, rebuild_error=None, overlap=True):
     def read(landed):
         landed.add(0, 10)
         if read_error is not None:
             landed.stop("a read failed")
             raise read_error
+        landed.add(10, 10)
 
     def check(landed):
         landed.wait(0, 10)
         if check_error is not None:
             raise check_error
-        landed.wait(0, 20)  # what the read never delivers: only a stop ends this
+        landed.wait(0, 20)
 
     def rebuild():
         if rebuild_error is not None:
             raise rebuild_error
         return "object"
 
-    return read, check, rebuild
+    return read, check, rebuild, lambda: overlap
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("errors, wins", [
     ((OSError(errno.EIO, "read"), ValueError("check"), KeyError("rebuild")), OSError),
     ((None, ValueError("check"), KeyError("rebuild")), ValueError),
     ((OSError(errno.EIO, "read"), None, None), OSError),
+    ((None, None, KeyError("rebuild")), KeyError),
+    ((None, None, None), None),
 ])
-def test_the_errors_keep_the_sequential_order_read_then_checksum_then_rebuild(errors, wins):
-    read, check, rebuild = _stage(*errors)
+def test_the_errors_keep_the_sequential_order_read_then_checksum_then_rebuild(errors, wins, overlap):
+    stage = _stage(*errors, overlap=overlap)
+    if wins is None:
+        assert read_then_rebuild(*stage) == "object"
+        return
     with pytest.raises(wins):
-        read_then_rebuild(read, check, rebuild, overlap=True)
+        read_then_rebuild(*stage)
 
 
-def test_without_overlap_each_step_runs_after_the_previous_one():
+def test_without_overlap_the_rebuild_starts_after_every_read_and_check():
     order = []
-    out = read_then_rebuild(lambda landed: order.append(("read", landed)), lambda landed: order.append(("check", landed)),
-                            lambda: order.append("rebuild") or "object", overlap=False)
-    assert out == "object" and order == [("read", None), ("check", None), "rebuild"]
+    lock = threading.Lock()
+
+    def note(what):
+        with lock:
+            order.append(what)
+
+    def read(landed):
+        for k in range(5):
+            time.sleep(0.01)
+            landed.add(k * 10, 10)
+        note("read")
+
+    def check(landed):
+        landed.wait(0, 50)
+        note("check")
+
+    out = read_then_rebuild(read, check, lambda: note("rebuild") or "object", lambda: False)
+    assert out == "object" and order[-1] == "rebuild" and sorted(order[:2]) == ["check", "read"]
+
+
+def test_a_check_of_bytes_no_read_covers_fails_instead_of_hanging():
+    with pytest.raises(CheckpointReadError, match="without filling"):
+        read_then_rebuild(lambda landed: landed.add(0, 10), lambda landed: landed.wait(0, 20), lambda: "object",
+                          lambda: True)
+
+
+def _endless_read(steps: list[int], rebuilt: threading.Event | None = None):
+    def read(landed):
+        sent = False
+        for k in range(1000):  # 10 s unless stopped
+            if rebuilt is not None and rebuilt.is_set() and not sent and k > 5:
+                sent = True  # Ctrl-C while the load waits for its reads
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            if landed.stopped:
+                return
+            time.sleep(0.01)
+            landed.add(k, 1)
+            steps[0] = k
+    return read
+
+
+def test_an_interrupt_during_the_rebuild_stops_the_reads():
+    steps = [0]
+
+    def rebuild():
+        time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        read_then_rebuild(_endless_read(steps), lambda landed: None, rebuild, lambda: True)
+    assert steps[0] < 500 and time.monotonic() - t0 < 5, "the reads went on after the interrupt"
+
+
+def test_an_interrupt_while_the_load_waits_for_its_reads_stops_them():
+    steps = [0]
+    rebuilt = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        read_then_rebuild(_endless_read(steps, rebuilt), lambda landed: None, lambda: rebuilt.set() or "object",
+                          lambda: True)
+    assert steps[0] < 500 and time.monotonic() - t0 < 5, "the reads went on after the interrupt"
+
+
+def test_a_failed_read_of_one_file_is_reported_not_the_stop_it_caused_in_another(tmp_path, monkeypatch):
+    import fastpersist.objects.read as objects_read
+
+    monkeypatch.setattr(objects_read, "_FILES_AT_ONCE", 2)
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with fastpersist.Checkpointer(roots) as ck:
+        ck.save(1, {"w": torch.randn(4 << 20), "v": torch.randn(4 << 20)})
+    backend = _FailingDataReads(str(tmp_path / "b"))
+    config = fastpersist.IOConfig(read_chunk_bytes=1 << 20)
+    with pytest.raises(CheckpointReadError, match="injected") as e:
+        fastpersist.open(roots, backend=backend, config=config).load(1)
+    assert not isinstance(e.value, ReadsStopped) and str(tmp_path / "b") in str(e.value)
+
+
+class _FailingDataReads(FileBackend):
+    """Fails the second read request of 1 MiB or more of the files under ``under``."""
+
+    def __init__(self, under: str) -> None:
+        super().__init__()
+        self.under, self.count, self.lock = under, 0, threading.Lock()
+
+    def before_read(self, path, offset, nbytes):
+        if nbytes is not None and nbytes >= 1 << 20 and path.startswith(self.under):
+            with self.lock:
+                self.count += 1
+                if self.count == 2:
+                    raise OSError(errno.EIO, "injected read fault")
+            time.sleep(0.01)
 
 
 # ------------------------------------------------------- when the rebuild may overlap the reads
@@ -133,7 +229,7 @@ def _skeleton_of(obj, tmp_path) -> tuple[bytes, dict[str, bytes]]:
 
 def test_plain_tensors_parameters_and_values_rebuild_without_reading_bytes(tmp_path):
     raw, small = _skeleton_of({"m": torch.nn.Linear(3, 3).state_dict(), **_state(), "s": slice(1, 2),
-                               "dev": torch.device("cpu"), "size": torch.Size([2]), "set": {1, 2}}, tmp_path)
+                               "set": {1, 2}}, tmp_path)
     assert references.rebuild_reads_no_bytes(raw, small, None)
     assert references.rebuild_reads_no_bytes(raw, small, "cpu")
     assert references.rebuild_reads_no_bytes(raw, small, torch.device("cpu"))
@@ -151,6 +247,29 @@ def test_a_rebuild_that_may_read_bytes_is_not_overlapped(tmp_path):
     q, small_q = _skeleton_of({"q": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)}, tmp_path)
     assert not references.rebuild_reads_no_bytes(q, small_q, None)
     assert not references.rebuild_reads_no_bytes(b"not a pickle", small, None)
+    for reads in (torch.device("cpu"), torch.Size([2])):  # each reads a tensor it is given
+        r, sm = _skeleton_of({"x": reads, **_state()}, tmp_path)
+        assert not references.rebuild_reads_no_bytes(r, sm, None)
+
+
+class _ComplexOfATensor:
+    """Pickles as ``complex(t)``: unpickling reads the tensor's value."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __reduce__(self):
+        return complex, (self.t,)
+
+
+def test_a_value_computed_from_tensor_bytes_while_unpickling_is_computed_after_the_reads(tmp_path):
+    big = torch.zeros(1 << 20)
+    big[-1] = 5.0
+    path = str(tmp_path / "c.pt")
+    fastpersist.save({"big": big, "c": _ComplexOfATensor(big[-1])}, path)
+    backend = _HeldReads(limit_s=0.3)  # slow reads: a rebuild run early would see zeros
+    out = fastpersist.load(path, weights_only=False, backend=backend)
+    assert out["c"] == complex(5.0) and backend.ran_out
 
 
 # ------------------------------------------------------------------------ loads, end to end
@@ -238,13 +357,13 @@ def test_a_flipped_byte_is_named_and_a_failed_read_wins_over_it(tmp_path):
     _flip(path, info.header_offset + 30 + name_len + extra_len + 1000)
     with pytest.raises(ChecksumMismatchError, match=info.filename.split("/", 1)[1]):
         fastpersist.load(path)
-    backend = FaultyBackend([Fault("read", errno.EIO, at=0, path_contains="s.pt")])
-    with pytest.raises(CheckpointReadError, match="Input/output error|failed") as e:
-        fastpersist.load(path, backend=backend)
+    backend = _FailingDataReads(path)  # a read of tensor data fails, after the flipped bytes were read
+    with pytest.raises(CheckpointReadError, match="injected read fault") as e:
+        fastpersist.load(path, backend=backend, config=fastpersist.IOConfig(read_chunk_bytes=1 << 20))
     assert not isinstance(e.value, ChecksumMismatchError)
 
 
-def test_a_checkpoint_with_a_flipped_byte_is_refused_after_an_overlapped_load(tmp_path):
+def test_a_checkpoint_with_a_flipped_byte_is_refused_after_an_overlapped_load(tmp_path, monkeypatch):
     state = _state()
     roots = [str(tmp_path / "a")]
     with fastpersist.Checkpointer(roots) as ck:
@@ -252,5 +371,9 @@ def test_a_checkpoint_with_a_flipped_byte_is_refused_after_an_overlapped_load(tm
     step = os.path.join(roots[0], "step-00000001")
     data = max((os.path.join(step, f) for f in os.listdir(step) if f.endswith(".bin")), key=os.path.getsize)
     _flip(data, os.path.getsize(data) // 2)
+    decided = []
+    original = references.rebuild_reads_no_bytes
+    monkeypatch.setattr(references, "rebuild_reads_no_bytes", lambda *a: decided.append(original(*a)) or decided[-1])
     with pytest.raises(CorruptCheckpointError, match="fail their checksum"):
         fastpersist.open(roots).load(1)
+    assert decided == [True]  # the object was rebuilt while the bytes were read, and still refused

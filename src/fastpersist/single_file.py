@@ -179,20 +179,20 @@ def load(
         shift = base - int(region.storage_offset())  # file offset -> offset in the region's storage
         record_bytes = _record_bytes(records, small, region, base)
 
-        def read(landed: Landed | None) -> None:
+        def read(landed: Landed) -> None:
             read_into(file, [ReadRequest(base, nbytes, region.data_ptr(), region.numel(), fresh=True)], cfg,
                       progress, landed)
 
-        def check(landed: Landed | None) -> None:
+        def check(landed: Landed) -> None:
             if not do_verify:
                 return
 
             def landed_bytes(name: str) -> memoryview | bytes:
-                if landed is not None and name not in small:
+                if name not in small:
                     landed.wait(region.data_ptr() + records[name].offset - base, records[name].nbytes)
                 return record_bytes(name)
 
-            integrity.check(path, records, small, landed_bytes, cfg.reader_threads, in_file_order=landed is not None)
+            integrity.check(path, records, small, landed_bytes, cfg.reader_threads, in_file_order=True)
 
         def rebuild() -> Any:
             sizes = {n[len("data/"):]: r.nbytes for n, r in records.items() if n.startswith("data/")}
@@ -203,8 +203,8 @@ def load(
             archive = skeleton.ArchiveView(small, offsets)
             return skeleton.rebuild(path, archive, region.untyped_storage(), map_location, weights_only)
 
-        overlap = "data.pkl" in small and references.rebuild_reads_no_bytes(small["data.pkl"], small, map_location)
-        return read_then_rebuild(read, check, rebuild, overlap)
+        return read_then_rebuild(read, check, rebuild,
+                                 lambda: references.rebuild_reads_no_bytes(small["data.pkl"], small, map_location))
     except OSError as e:
         raise CheckpointReadError(f"reading {path} failed: {e.strerror or e}") from e
     finally:

@@ -119,19 +119,19 @@ def _view_problem(storage: Any, offset: Any, size: Any, stride: Any) -> str | No
     return None
 
 
-# Globals whose rebuild reads no byte of a tensor's storage: tensors and parameters as views of
-# their storages, and plain containers and values around them.
+# Globals whose rebuild reads no byte of a tensor's storage, whatever their arguments: tensors and
+# parameters as views of their storages, and containers that only hold what they are given.
+# (Not torch.device, torch.Size, complex or bytearray: given a tensor, each reads its values.)
 _BYTE_FREE = {
     ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"), ("collections", "OrderedDict"),
-    ("torch", "device"), ("torch", "Size"),
-    *((b, n) for b in ("builtins", "__builtin__") for n in ("set", "frozenset", "slice", "complex", "bytearray")),
+    *((b, n) for b in ("builtins", "__builtin__") for n in ("set", "frozenset", "slice")),
 }
 
 
 def _byte_free(module: str, name: str) -> bool:
     if (module, name) in _BYTE_FREE or _storage_type(module, name) is not None:
         return True
-    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+    return module == "torch" and isinstance(vars(torch).get(name), torch.dtype)  # no lazy import of torch's
 
 
 class _Scanner(pickle.Unpickler):

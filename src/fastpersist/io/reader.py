@@ -20,6 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,7 @@ class Landed:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._stopped: str | None = None
+        self._finished = False
 
     def add(self, addr: int, nbytes: int) -> None:
         if nbytes <= 0:
@@ -148,12 +150,22 @@ class Landed:
 
     def wait(self, addr: int, nbytes: int) -> None:
         """Block until ``[addr, addr + nbytes)`` is filled; raises :class:`ReadsStopped` if the
-        reads stop first."""
+        reads stop first, and :class:`CheckpointReadError` if they all ended without filling it
+        (a plan that reads less than it checks: a defect of fastpersist, never a hang)."""
         with self._cond:
             while not self._covered(addr, nbytes):
                 if self._stopped is not None:
                     raise ReadsStopped(self._stopped)
+                if self._finished:
+                    raise CheckpointReadError(f"the reads ended without filling the {nbytes} bytes at {addr:#x} "
+                                              "that were to be checked (a defect of fastpersist's read plan)")
                 self._cond.wait()
+
+    def finish(self) -> None:
+        """Every read has ended: what is not filled now never will be."""
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
 
     def stop(self, why: str) -> None:
         with self._cond:
@@ -239,37 +251,55 @@ def read_into(file: DirectFile, requests: Sequence[ReadRequest], config: IOConfi
             t.join()
 
 
-def read_then_rebuild(read: Callable[[Landed | None], None], check: Callable[[Landed | None], None],
-                      rebuild: Callable[[], Any], overlap: bool) -> Any:
+def read_then_rebuild(read: Callable[[Landed], None], check: Callable[[Landed], None],
+                      rebuild: Callable[[], Any], overlap: Callable[[], bool]) -> Any:
     """``read`` the bytes, ``check`` their checksums and ``rebuild`` the object over them.
 
-    With ``overlap`` (the rebuild reads no byte: see ``fastpersist.format.references.rebuild_reads_no_bytes``), the
-    reads run in a thread of their own, the checks follow them as the bytes land, and the object
-    is rebuilt meanwhile: a load ends a moment after its last read. The errors keep the order
-    of the sequential load: a read's failure, then a checksum's, then the rebuild's (damaged
-    bytes are the cause of a rebuild that fails on them). Every read has ended when this returns
-    or raises; an interrupt (not an error) stops the reads not yet started.
+    The reads run in a thread of their own and the checks follow them in another as the bytes
+    land. Meanwhile ``overlap()`` says whether the rebuild reads no byte (see
+    ``fastpersist.format.references.rebuild_reads_no_bytes``): then the object is rebuilt while
+    the bytes are read, and a load ends a moment after its last read; else after the reads and
+    the checks. The errors keep the order of a sequential load: a read's failure, then a
+    checksum's, then the rebuild's (damaged bytes are the cause of a rebuild that fails on them).
+    Every read and check has ended when this returns or raises; an interrupt stops the reads not
+    yet started and waits only for those under way.
     """
-    if not overlap:
-        read(None)
-        check(None)
-        return rebuild()
     landed = Landed()
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="fastpersist-load") as ex:
-        reading = ex.submit(read, landed)
-        checking = ex.submit(check, landed)
+
+    def read_all() -> None:
+        read(landed)
+        landed.finish()
+
+    ex = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fastpersist-load")
+    futures = [ex.submit(read_all), ex.submit(check, landed)]
+    failed: Exception | None = None
+    obj = None
+    try:
         try:
-            obj, failed = rebuild(), None
+            if overlap():
+                obj = rebuild()
+            else:
+                wait_futures(futures)
+                if all(f.exception() is None for f in futures):
+                    obj = rebuild()
         except Exception as e:  # noqa: BLE001 - raised below, after the reads' and checks' errors
-            obj, failed = None, e
-        except BaseException:
-            landed.stop("the load was interrupted")
-            raise
-        for done in (reading, checking):
-            error = done.exception()
-            if error is not None:
-                landed.stop("the load failed")
-                raise error
+            failed = e
+        wait_futures(futures)
+    except BaseException:  # an interrupt: stop what has not started, wait for what has
+        landed.stop("the load was interrupted")
+        while True:
+            try:
+                wait_futures(futures)
+                break
+            except KeyboardInterrupt:
+                continue  # the reads under way end soon; their files and memory must outlive them
+        ex.shutdown()
+        raise
+    ex.shutdown()
+    for f in futures:
+        error = f.exception()
+        if error is not None:
+            raise error
     if failed is not None:
         raise failed
     return obj

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from fastpersist.config import IOConfig
@@ -20,7 +21,15 @@ from fastpersist.format import references, skeleton
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, align_up
 from fastpersist.io.files import DirectFile
-from fastpersist.io.reader import Landed, ReadFailedError, ReadRequest, allocate, read_into, read_then_rebuild
+from fastpersist.io.reader import (
+    Landed,
+    ReadFailedError,
+    ReadRequest,
+    ReadsStopped,
+    allocate,
+    read_into,
+    read_then_rebuild,
+)
 from fastpersist.objects.files import (
     ELEMENT_ALIGN,
     check_in_memory,
@@ -142,13 +151,13 @@ def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_lo
         def rebuild() -> Any:
             return skeleton.rebuild(manifest_path(dirs), archive, buf.untyped_storage(), map_location, weights_only)
 
-        def check(landed: Landed | None) -> None:
+        def check(landed: Landed) -> None:
             if verify:
                 _verify(dirs, manifest, name, entry, bases, addr, config.reader_threads, landed)
 
         try:
             return read_then_rebuild(lambda landed: read_files(files, by_file, config, landed), check, rebuild,
-                                     references.rebuild_reads_no_bytes(small["data.pkl"], small, map_location))
+                                     lambda: references.rebuild_reads_no_bytes(small["data.pkl"], small, map_location))
         except ReadFailedError as e:  # name what lies where the read failed
             raise _name_failed_read(e, dirs, manifest, name, files) from e
     finally:
@@ -169,32 +178,31 @@ def _name_failed_read(e: ReadFailedError, dirs: Sequence[str], manifest: mf.Mani
 
 def read_files(files: dict[int, DirectFile], by_file: dict[int, list[ReadRequest]], config: IOConfig,
                landed: Landed | None = None) -> None:
+    """Read every file's requests, ``_FILES_AT_ONCE`` files at a time; raises the first real
+    failure (not the stop it caused in another file's reads)."""
     order = sorted(by_file)
-    if len(order) <= 1:
+    if len(order) <= 1 or _FILES_AT_ONCE == 1:
         for f in order:
             read_into(files[f], by_file[f], config, landed=landed)
         return
     with ThreadPoolExecutor(max_workers=min(len(order), _FILES_AT_ONCE), thread_name_prefix="fastpersist-files") as ex:
         futures = [ex.submit(read_into, files[f], by_file[f], config, None, landed) for f in order]
-        try:
-            for fut in futures:
-                fut.result()
-        except BaseException:
-            if landed is not None:
-                landed.stop("a read failed")
-            raise
+        wait_futures(futures)
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, ReadsStopped)), errors[0])
 
 
 def _verify(dirs: Sequence[str], manifest: mf.Manifest, name: str, entry: mf.ObjectEntry,
-            bases: Sequence[int], addr: int, threads: int, landed: Landed | None = None) -> None:
+            bases: Sequence[int], addr: int, threads: int, landed: Landed) -> None:
     def describe(s: mf.StorageEntry, e: mf.ExtentEntry) -> Callable[[int], str]:
         return lambda got: extent_problem(dirs, manifest, name, s, e, got) or ""
 
     work = [(addr + base + e.start, e, describe(s, e)) for s, base in zip(entry.storages, bases) for e in s.extents]
-    if landed is not None:  # in the order read_files reads: _FILES_AT_ONCE files side by side, each from its start
-        ends: dict[int, int] = {}
-        for _, e, _ in work:
-            ends[e.file] = max(ends.get(e.file, 0), e.offset + e.nbytes)
-        turn = {f: k // _FILES_AT_ONCE for k, f in enumerate(sorted(ends))}
-        work.sort(key=lambda w: turn[w[1].file] + (w[1].offset + w[1].nbytes) / max(1, ends[w[1].file]))
+    # in the order read_files reads: _FILES_AT_ONCE files side by side, each from its start
+    ends: dict[int, int] = {}
+    for _, e, _ in work:
+        ends[e.file] = max(ends.get(e.file, 0), e.offset + e.nbytes)
+    turn = {f: k // _FILES_AT_ONCE for k, f in enumerate(sorted(ends))}
+    work.sort(key=lambda w: turn[w[1].file] + (w[1].offset + w[1].nbytes) / max(1, ends[w[1].file]))
     check_in_memory(work, threads, landed)

@@ -68,11 +68,14 @@ class _GilHolder:
                     x += i
 
 
-def measure(rounds: int, block: int, gil_ms: float, directory: str) -> dict[str, list[float]]:
+def measure(rounds: int, block: int, gil_ms: float, directory: str, only: list[str] | None = None
+            ) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     holder = _GilHolder(gil_ms / 1e3)
     held = f"GIL {gil_ms:g} ms"
     names = ["none", "overlap", "overlap, 0.5 ms interval", "overlap nice 19", held, f"{held}, 0.5 ms interval"]
+    if only:
+        names = [n for n in names if n in only or (n.startswith("GIL") and "gil" in only)]
     runs = {}
     for n in names:
         model, opt, data = build(ModelSpec(batch=8), seed=0)
@@ -150,6 +153,8 @@ def main() -> None:
     p.add_argument("--gil-ms", type=float, default=14.0)
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--profile", action="store_true", help="also profile the save thread's GIL time (py-spy)")
+    p.add_argument("--only", default="", help="comma-separated contenders (none,overlap,...; 'gil' for the GIL "
+                   "holders); default: all")
     p.add_argument("--saves-only", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.saves_only is not None:
@@ -157,7 +162,7 @@ def main() -> None:
         return
     d = tempfile.mkdtemp(prefix="fastpersist-overlapcost-", dir=a.dir)
     try:
-        res = measure(a.rounds, a.block, a.gil_ms, d)
+        res = measure(a.rounds, a.block, a.gil_ms, d, [x.strip() for x in a.only.split(",") if x.strip()])
     finally:
         shutil.rmtree(d, ignore_errors=True)
     print(f"\nGPT small, 1 training thread, {a.rounds} rounds of {a.block} iterations, a save every iteration\n")
@@ -167,6 +172,8 @@ def main() -> None:
         ov = "-" if n == "none" else str(overhead(res["none"], xs))
         print(f"| {n} | {statistics.median(xs) * 1e3:.1f} [{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}] | {ov} |")
     if a.profile:
+        import fastpersist
+        print(f"\n(fastpersist from {os.path.dirname(fastpersist.__file__)})")
         rows = profile(120)
         print(f"\nsave thread, GIL held per save: {sum(ms for ms, _ in rows):.1f} ms\n")
         print("| ms per save | fastpersist function (innermost) |")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import enum
 import errno
+import io
 import json
 import os
+import types
 
 import pytest
 from helpers import states_equal as _equal
@@ -13,6 +17,7 @@ import torch
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
 from fastpersist.format import manifest as mf
+from fastpersist.state import to_saveable
 from fastpersist.io.backend import FileBackend
 
 
@@ -396,3 +401,62 @@ def test_captured_state_keeps_tensor_kinds(tmp_path, mode):
     assert isinstance(got["p"], torch.nn.Parameter) and torch.equal(got["p"], p)
     assert got["g"].requires_grad and torch.equal(got["g"], g)
     assert got["v"].untyped_storage().data_ptr() == got["b"].untyped_storage().data_ptr()
+
+
+class _Pair(collections.namedtuple("_Pair", "weight count")):
+    pass
+
+
+class _Tagged(list):
+    pass
+
+
+class _Color(enum.IntEnum):
+    RED = 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "snapshot", "overlap"])
+def test_every_mode_saves_what_torch_save_would(tmp_path, mode):
+    """Whatever the mode, a checkpoint loads as torch.save's copy of the state at save() would:
+    namedtuples, list subclasses, tensors with attributes, a module's state_dict with its
+    ``_metadata`` (nested, beside a module replaced by its state_dict), torch.Size, enums and
+    numpy scalars keep their types and attributes, even where training changes them after
+    save() returns; other mappings (a defaultdict with a lambda, a mappingproxy) are saved as
+    dicts, in every mode."""
+    np = pytest.importorskip("numpy")
+    tagged = torch.arange(4.0)
+    tagged.note = "kept"  # type: ignore[attr-defined]
+    bn = torch.nn.BatchNorm1d(3)
+    dd: collections.defaultdict[str, list[int]] = collections.defaultdict(lambda: [], {"a": [1]})
+    marked = torch.ones(2)  # torch.compile marks optimizer state so; the capture copies the marks
+    marked._dynamo_static_input_type = "guarded"  # type: ignore[attr-defined]
+    state = {
+        "pair": _Pair(torch.ones(3), 2), "dd": dd, "tagged_list": _Tagged([torch.zeros(2), 5]),
+        "tagged": tagged, "bn_sd": bn.state_dict(), "inner": {"module": torch.nn.Linear(2, 2), "sd": bn.state_dict()},
+        "size": torch.Size([2, 3]), "color": _Color.RED, "np": np.float64(1.5),
+        "proxy": types.MappingProxyType({"k": 1}), "marked": marked,
+    }
+    buf = io.BytesIO()
+    torch.save(to_saveable(state), buf)
+    buf.seek(0)
+    expected = torch.load(buf, weights_only=False)
+    with Checkpointer(str(tmp_path / "ck"), mode=mode) as ck:
+        handle = ck.save(1, state)
+        tagged.note = "changed"  # type: ignore[attr-defined]
+        dd["b"].append(2)
+        state["tagged_list"].append(6)
+        handle.wait()
+        got = ck.load(1, weights_only=False)
+    for key, want in expected.items():
+        have = got[key]
+        assert type(have) is type(want), key
+    assert got["tagged"].note == "kept" and torch.equal(got["tagged"], torch.arange(4.0))
+    assert type(got["dd"]) is dict and got["dd"] == {"a": [1]}  # other mappings are saved as dicts
+    assert type(got["proxy"]) is dict and got["proxy"] == {"k": 1}
+    assert got["tagged_list"][1:] == [5]
+    assert got["pair"].count == 2 and torch.equal(got["pair"].weight, torch.ones(3))
+    for sd in (got["bn_sd"], got["inner"]["sd"]):
+        assert sd._metadata == bn.state_dict()._metadata
+    assert type(got["inner"]["module"]) is type(expected["inner"]["module"])
+    assert got["size"] == torch.Size([2, 3]) and got["color"] is _Color.RED and got["np"] == 1.5
+    assert got["marked"]._dynamo_static_input_type == "guarded"

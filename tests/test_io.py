@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -120,6 +124,54 @@ def test_enospc_names_the_file_and_returns_buffers(small_fs, small_io):
     assert len(got) == pool.created, "every staging buffer must return to the pool after a failure"
 
 
+def _writer_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("fastpersist-writer-")}
+
+
+def test_writer_threads_are_kept_between_files(tmp_path, small_io):
+    """A file's writes lease threads kept by the process; the next file (and one written after
+    a failed file) gets the same threads instead of starting new ones."""
+    cfg = dataclasses.replace(small_io, writer_threads=2)
+    t = _bytes_tensor(300_000, 7)
+    _write(str(tmp_path / "a"), [Piece(0, t.numel(), tensor=t)], cfg)
+    first = _writer_threads()
+    assert len(first) >= 2, "the threads that wrote the file wait, idle, for the next one"
+    for i in range(5):
+        _write(str(tmp_path / f"b{i}"), [Piece(0, t.numel(), tensor=t)], cfg)
+        assert open(tmp_path / f"b{i}", "rb").read() == t.numpy().tobytes()
+    assert _writer_threads() == first
+
+
+def test_writer_threads_serve_files_written_at_once(tmp_path, small_io):
+    """Files written side by side each get threads of their own, and every byte lands."""
+    cfg = dataclasses.replace(small_io, writer_threads=2)
+    data = [_bytes_tensor(700_000 + i, 10 + i) for i in range(6)]
+    with ThreadPoolExecutor(6) as ex:
+        list(ex.map(lambda i: _write(str(tmp_path / f"f{i}"), [Piece(i, data[i].numel(), tensor=data[i])], cfg),
+                    range(6)))
+    for i in range(6):
+        assert open(tmp_path / f"f{i}", "rb").read() == bytes(i) + data[i].numpy().tobytes()
+
+
+def test_a_forked_child_writes_with_threads_of_its_own(tmp_path, small_io):
+    """The parent's idle writer threads do not exist in a forked child; its writes start new
+    ones instead of waiting for them."""
+    t = _bytes_tensor(300_000, 8)
+    _write(str(tmp_path / "parent"), [Piece(0, t.numel(), tensor=t)], small_io)
+    assert _writer_threads()
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the file is right, whatever happens
+        code = 1
+        try:
+            signal.alarm(60)  # a child waiting for its parent's threads would hang: fail it
+            _write(str(tmp_path / "child"), [Piece(0, t.numel(), tensor=t)], small_io)
+            code = 0 if open(tmp_path / "child", "rb").read() == t.numpy().tobytes() else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 # ----------------------------------------------------------------------------- reader
 
 
@@ -152,3 +204,30 @@ def test_reader_reports_truncation(tmp_path, small_io):
             read_into(f, [ReadRequest(0, 50_000, dest.data_ptr(), dest.numel())], small_io)
     finally:
         f.close()
+
+
+def test_a_thread_that_cannot_start_strands_no_other(tmp_path, small_io, monkeypatch):
+    """A lease that cannot start a thread fails the file before any request; the threads it
+    took go back idle, and the next file writes with them."""
+    from fastpersist.io import writer
+
+    cfg = dataclasses.replace(small_io, writer_threads=2)
+    t = _bytes_tensor(300_000, 9)
+    _write(str(tmp_path / "a"), [Piece(0, t.numel(), tensor=t)], cfg)
+    idle = len(writer._CREW._idle)
+    assert idle >= 2
+    started = writer._Worker
+
+    def refuse(*_: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(writer, "_Worker", refuse)
+    wide = dataclasses.replace(small_io, writer_threads=idle + 1)
+    with pytest.raises(RuntimeError, match="can't start"):
+        _write(str(tmp_path / "b"), [Piece(0, t.numel(), tensor=t)], wide)
+    assert len(writer._CREW._idle) == idle
+    monkeypatch.setattr(writer, "_Worker", started)
+    before = _writer_threads()
+    _write(str(tmp_path / "c"), [Piece(0, t.numel(), tensor=t)], cfg)
+    assert open(tmp_path / "c", "rb").read() == t.numpy().tobytes()
+    assert _writer_threads() == before

@@ -145,7 +145,11 @@ def _split(obj: Any, path: tuple[Any, ...], shards: list[LocalShard]) -> Any:
         items = [(k, _split(v, path + (k,), shards)) for k, v in obj.items()]
         if len(shards) == found:
             return obj
-        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        if isinstance(obj, OrderedDict):  # a module's state_dict: its _metadata kept
+            out: dict[Any, Any] = OrderedDict(items)
+            vars(out).update(vars(obj))
+            return out
+        return dict(items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         if _holds_dtensor(tuple(obj)):
             raise UnsaveableObjectError(f"state[{mf.key_name(_key_path(path))!r}] is a {type(obj).__name__} (a "

@@ -38,6 +38,7 @@ from fastpersist.dist import Comm, agree
 from fastpersist.durable.drain import Drainer, drain_files
 from fastpersist.errors import CheckpointError, CheckpointWriteError
 from fastpersist.format import manifest as mf
+from fastpersist.format.template import Templates
 from fastpersist.job import SaveJob
 from fastpersist.nodes import Nodes, redundant_plan
 from fastpersist.objects.write import FileReport, Prepared, prepare
@@ -107,6 +108,7 @@ class SaveProtocol:
                  incremental: Incremental | None = None) -> None:
         self.comm = comm
         self.incremental = incremental  # skips the replicated bytes unchanged since the last commit
+        self.templates = Templates()  # skeletons of structures saved before, written without pickling
         self.nodes = nodes if nodes is not None and nodes.count > 1 else None
         self.redundancy = redundancy
         self._inventoried = False  # several nodes: the leaders' commits were gathered (first save)
@@ -235,8 +237,9 @@ class SaveProtocol:
     def _propose(self, job: SaveJob) -> Proposal:
         """Step 1 on this rank: serialize the state (unless staging did), propose."""
         if job.prepared is None:
-            rep = prepare(mf.REPLICATED, job.state)
-            own = prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
+            rep = prepare(mf.REPLICATED, job.state, self.templates)
+            own = (prepare(mf.rank_object(self.rank), job.rank_state, self.templates)
+                   if job.rank_state is not None else None)
             job.prepared = (rep, own)
         rep = job.prepared[0]
         extra = rep.skeleton_checksum.to_bytes(8, "big") + f"|{self.redundancy}|{self.slot_nodes}".encode()

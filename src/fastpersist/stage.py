@@ -20,6 +20,7 @@ own side stream, without queueing behind training's newer work.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -101,20 +102,48 @@ def guarded_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {storage_key(t.untyped_storage()) for t in tensors}
 
 
-_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+# Values a capture keeps as they are (the object itself): immutable, and pickled the same way
+# at any later time. Subclasses of int, float, complex, str and bytes without an instance
+# dictionary (numpy's scalars) and enum members are immutable too; anything else is not plain.
+_IMMUTABLE = {int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size}
+_SCALARS = (int, float, complex, str, bytes)
+
+
+def _immutable(obj: Any) -> bool:
+    t = type(obj)
+    if t in _IMMUTABLE:
+        return True
+    return isinstance(obj, enum.Enum) or (isinstance(obj, _SCALARS) and not hasattr(obj, "__dict__"))
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    """A tensor a capture rebuilds exactly: a dense torch.Tensor or Parameter (a subclass, a
+    sparse, quantized or nested tensor is pickled at save time instead, the way torch.save
+    would pickle it). Its Python attributes (torch.compile marks optimizer state with
+    ``_dynamo_static_input_type``) must be plain too; the capture copies them."""
+    return ((type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.layout is torch.strided
+            and not t.is_quantized and not t.is_nested and not t.is_conj() and not t.is_neg())
 
 
 def _tensors(obj: Any, out: dict[int, torch.UntypedStorage]) -> bool:
-    """Collect the storages of the tensors in ``obj``; False if something opaque was met."""
+    """Collect the storages of the tensors in ``obj``; False if something a capture would not
+    rebuild exactly was met (the containers are the exact built-in types; an OrderedDict may
+    carry attributes, as a module's state_dict carries ``_metadata``)."""
+    t = type(obj)
+    if t is dict:
+        return all([_tensors(v, out) for v in obj.values()])
+    if t is list or t is tuple:
+        return all([_tensors(v, out) for v in obj])
     if isinstance(obj, torch.Tensor):
+        if not _plain_tensor(obj):
+            return False
         s = obj.untyped_storage()
         out.setdefault(storage_key(s), s)
-        return True
-    if isinstance(obj, Mapping):
-        return all([_tensors(v, out) for v in obj.values()])
-    if isinstance(obj, (list, tuple)):
-        return all([_tensors(v, out) for v in obj])
-    return isinstance(obj, _IMMUTABLE)
+        attrs = vars(obj)
+        return not attrs or _tensors(attrs, out)
+    if t is OrderedDict:
+        return all([_tensors(v, out) for v in obj.values()]) and _tensors(vars(obj), out)
+    return _immutable(obj)
 
 
 def scan(obj: Any) -> tuple[bool, list[torch.UntypedStorage]]:
@@ -202,16 +231,28 @@ class Capture:
         return view
 
     def __call__(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self.tensor(obj)
-        if isinstance(obj, Mapping):
-            items = [(k, self(v)) for k, v in obj.items()]
-            return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(self(v) for v in obj)
-        if isinstance(obj, list):
+        """A copy of the plain object ``obj`` (:func:`scan`) that pickles as ``obj`` would have
+        pickled at this moment."""
+        t = type(obj)
+        if t is dict:
+            return {k: self(v) for k, v in obj.items()}
+        if t is list:
             return [self(v) for v in obj]
-        if isinstance(obj, _IMMUTABLE):
+        if t is tuple:
+            return tuple([self(v) for v in obj])
+        if isinstance(obj, torch.Tensor):
+            view = self.tensor(obj)
+            attrs = vars(obj)
+            if attrs:
+                vars(view).update(self(attrs))
+            return view
+        if t is OrderedDict:
+            out: OrderedDict[Any, Any] = OrderedDict([(k, self(v)) for k, v in obj.items()])
+            attrs = vars(obj)
+            if attrs:
+                vars(out).update(self(attrs))
+            return out
+        if _immutable(obj):
             return obj
         raise CheckpointError(f"internal: {type(obj).__name__} cannot be captured without pickling")
 

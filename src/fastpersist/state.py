@@ -8,6 +8,7 @@ GradScaler, anything stateful) are saved through ``state_dict()`` and restored i
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -21,11 +22,25 @@ def is_stateful(obj: object) -> bool:
 
 
 def to_saveable(obj: Any) -> Any:
-    """``obj`` with every stateful object replaced by its ``state_dict()``."""
+    """``obj`` with every stateful object replaced by its ``state_dict()``.
+
+    A ``dict`` or ``OrderedDict`` is rebuilt only where a stateful object inside it was replaced
+    (an OrderedDict keeping its attributes, as a module's state_dict keeps ``_metadata``); one
+    without any is saved as it is. Other mappings (``defaultdict``, ``MappingProxyType``, a
+    custom Mapping) are saved as dicts: their factories and types often cannot be pickled or
+    are refused by the weights-only loader."""
     if is_stateful(obj):
         return obj.state_dict()
     if isinstance(obj, Mapping):
-        return {k: to_saveable(v) for k, v in obj.items()}
+        items = [(k, v, to_saveable(v)) for k, v in obj.items()]
+        exact = type(obj) is dict or type(obj) is OrderedDict
+        if exact and all(new is old for _, old, new in items):
+            return obj
+        if type(obj) is OrderedDict:
+            out: dict[Any, Any] = OrderedDict([(k, new) for k, _, new in items])
+            vars(out).update(vars(obj))
+            return out
+        return {k: new for k, _, new in items}
     return obj
 
 

@@ -27,13 +27,16 @@ _DATE = (2020, 1, 1, 0, 0, 0)  # fixed, so the same state gives the same bytes
 MAX_SKELETON_BYTES = 256 << 20  # a skeleton (or data.pkl) larger than this is refused before it is read
 
 
-def serialize(obj: object, protocol: int = 2) -> tuple[dict[str, bytes], list[str], list[torch.UntypedStorage]]:
+def serialize(obj: object, protocol: int = 2, marks: type | None = None
+              ) -> tuple[dict[str, bytes], list[str], list[torch.UntypedStorage]]:
     """Pickle ``obj`` the way ``torch.save`` does, keeping its storages as references.
 
     Returns torch's small records (``data.pkl``, ``.format_version``, ``.storage_alignment``,
     ``byteorder``), the storage keys in torch's order and the storages (not copied). The
     pickle is byte-for-byte what torch.save would write; only the per-object hook is leaner
     than torch's (it runs for every object pickled, so it is the cost of a save's skeleton).
+    Objects of type ``marks`` are written as the persistent id in their ``pid`` attribute
+    (fastpersist.format.template cuts its templates at them).
     """
     keys: dict[int, str] = {}
     storages: list[torch.UntypedStorage] = []
@@ -73,17 +76,22 @@ def serialize(obj: object, protocol: int = 2) -> tuple[dict[str, bytes], list[st
             t = type(o)
             if t is int or t is str or t is tuple or t is float or t is dict or t is list or t is bool:
                 return None
+            if t is marks:
+                return o.pid
             return storage_id(o)
 
     buf = io.BytesIO()
     _Pickler(buf, protocol=protocol).dump(obj)
-    records = {
-        "data.pkl": buf.getvalue(),
+    return {"data.pkl": buf.getvalue(), **small_records()}, list(keys.values()), storages
+
+
+def small_records() -> dict[str, bytes]:
+    """torch's small records beside ``data.pkl``."""
+    return {
         ".format_version": b"1",
         ".storage_alignment": str(_torch.storage_alignment()).encode(),
         "byteorder": sys.byteorder.encode(),
     }
-    return records, list(keys.values()), storages
 
 
 def encode(records: dict[str, bytes]) -> bytes:

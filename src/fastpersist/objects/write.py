@@ -30,6 +30,7 @@ from fastpersist.dtensor import Layout, tensor_index
 from fastpersist.errors import CheckpointWriteError, UnsaveableObjectError
 from fastpersist.format import manifest as mf
 from fastpersist.format import skeleton, torchzip
+from fastpersist.format.template import Templates
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, BufferPool, align_up, shared_pool
 from fastpersist.io.files import preallocate
@@ -60,14 +61,24 @@ class Prepared:
         return xxhash.xxh3_64_intdigest(self.skeleton)
 
 
-def prepare(name: str, obj: object) -> Prepared:
-    """Serialize ``obj`` with torch's pickle format (storages kept as references, never copied)."""
-    try:
-        small, keys, storages = skeleton.serialize(obj)
-    except Exception as e:
-        raise UnsaveableObjectError(f"the object cannot be serialized: {type(e).__name__}: {e}") from e
+def prepare(name: str, obj: object, templates: Templates | None = None) -> Prepared:
+    """Serialize ``obj`` with torch's pickle format (storages kept as references, never copied).
+
+    With ``templates``, a structure saved before under ``name`` is written from its template
+    instead of pickled (fastpersist.format.template), and a new one is learnt."""
+    filled, walk = templates.fill(name, obj) if templates is not None else (None, None)
+    if filled is not None:
+        small, keys, storages, tensors = filled.records, filled.keys, filled.storages, filled.tensors
+    else:
+        try:
+            small, keys, storages = skeleton.serialize(obj)
+        except Exception as e:
+            raise UnsaveableObjectError(f"the object cannot be serialized: {type(e).__name__}: {e}") from e
+        tensors = tensor_index(obj, keys, storages)
+        if templates is not None and walk is not None:
+            templates.learn(name, obj, walk, small, keys, storages, tensors)
     return Prepared(name=name, skeleton=skeleton.encode(small), keys=keys, storages=storages,
-                    sizes=[s.nbytes() for s in storages], tensors=tensor_index(obj, keys, storages))
+                    sizes=[s.nbytes() for s in storages], tensors=tensors)
 
 
 @dataclass(frozen=True)

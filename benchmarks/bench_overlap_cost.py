@@ -11,6 +11,9 @@ overhead is paired by round against "none", with a 95% bootstrap interval (the d
   0.5 ms while a save runs (``IOConfig(switch_interval_us=500)``, fastpersist.gil);
 * ``overlap nice 19``: the same with the save thread at niceness 19 (Linux, per thread; the
   writer threads it starts inherit it): does the background take the training thread's CPU?
+* ``overlap direct from 64 KiB``: the same with ``IOConfig(zero_copy_min_bytes=64 KiB)``: live
+  tensors from 64 KiB up are written straight from their memory (the default stages those
+  under 1 MiB through the pool: a copy, a hash and a GIL round trip per piece);
 * ``GIL G ms``: no checkpoint, but a thread that runs pure Python (holding the GIL, no I/O, no
   memory traffic) for ``--gil-ms`` of CPU time after every iteration: what holding the GIL that
   long costs training by itself;
@@ -73,14 +76,17 @@ def measure(rounds: int, block: int, gil_ms: float, directory: str, only: list[s
     torch.set_num_threads(1)
     holder = _GilHolder(gil_ms / 1e3)
     held = f"GIL {gil_ms:g} ms"
-    names = ["none", "overlap", "overlap, 0.5 ms interval", "overlap nice 19", held, f"{held}, 0.5 ms interval"]
+    names = ["none", "overlap", "overlap, 0.5 ms interval", "overlap nice 19", "overlap direct from 64 KiB",
+             held, f"{held}, 0.5 ms interval"]
+    configs = {"overlap, 0.5 ms interval": IOConfig(switch_interval_us=500),
+               "overlap direct from 64 KiB": IOConfig(zero_copy_min_bytes=64 << 10)}
     if only:
         names = [n for n in names if n in only or (n.startswith("GIL") and "gil" in only)]
     runs = {}
     for n in names:
         model, opt, data = build(ModelSpec(batch=8), seed=0)
         kind = "overlap" if n.startswith("overlap") else "none"
-        config = IOConfig(switch_interval_us=500) if n == "overlap, 0.5 ms interval" else None
+        config = configs.get(n)
         runs[n] = (model, opt, data, make_saver(kind, os.path.join(directory, n.replace(" ", "_").replace(",", "")),
                                                 opt, keep=1, config=config))
     it = 0
@@ -153,8 +159,8 @@ def main() -> None:
     p.add_argument("--gil-ms", type=float, default=14.0)
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--profile", action="store_true", help="also profile the save thread's GIL time (py-spy)")
-    p.add_argument("--only", default="", help="comma-separated contenders (none,overlap,...; 'gil' for the GIL "
-                   "holders); default: all")
+    p.add_argument("--only", default="", help="comma-separated contenders (none, overlap, 'overlap nice 19', "
+                   "'overlap direct from 64 KiB'; 'gil' for the GIL holders); default: all")
     p.add_argument("--saves-only", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.saves_only is not None:

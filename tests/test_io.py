@@ -214,7 +214,7 @@ def test_a_thread_that_cannot_start_strands_no_other(tmp_path, small_io, monkeyp
     cfg = dataclasses.replace(small_io, writer_threads=2)
     t = _bytes_tensor(300_000, 9)
     _write(str(tmp_path / "a"), [Piece(0, t.numel(), tensor=t)], cfg)
-    idle = len(writer._CREW._idle)
+    idle = writer._CREW.idle()
     assert idle >= 2
     started = writer._Worker
 
@@ -225,9 +225,41 @@ def test_a_thread_that_cannot_start_strands_no_other(tmp_path, small_io, monkeyp
     wide = dataclasses.replace(small_io, writer_threads=idle + 1)
     with pytest.raises(RuntimeError, match="can't start"):
         _write(str(tmp_path / "b"), [Piece(0, t.numel(), tensor=t)], wide)
-    assert len(writer._CREW._idle) == idle
+    assert writer._CREW.idle() == idle
     monkeypatch.setattr(writer, "_Worker", started)
     before = _writer_threads()
     _write(str(tmp_path / "c"), [Piece(0, t.numel(), tensor=t)], cfg)
     assert open(tmp_path / "c", "rb").read() == t.numpy().tobytes()
     assert _writer_threads() == before
+
+
+def test_writes_run_at_their_writer_s_niceness(tmp_path, small_io):
+    """Threads kept between files are kept apart by CPU niceness: a file written by a nice'd
+    thread (the durable drain's) is written by threads at that niceness, and a file written at
+    the usual niceness never by those (an unprivileged thread cannot undo its niceness)."""
+    t = _bytes_tensor(3_000_000, 11)
+
+    def write_and_watch(name: str) -> set[int]:
+        seen: set[int] = set()
+        f = DirectFile(str(tmp_path / name), os.O_WRONLY | os.O_CREAT, small_io.direct)
+        f.on_write = lambda *_: seen.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        try:
+            write_pieces(f, [Piece(0, t.numel(), tensor=t)], small_io,
+                         BufferPool(small_io.chunk_bytes, small_io.num_buffers, pin=False))
+        finally:
+            f.close()
+        return seen
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert write_and_watch("before") == {base}
+    nice: list[set[int]] = []
+
+    def niced() -> None:
+        os.setpriority(os.PRIO_PROCESS, 0, min(base + 5, 19))  # this thread only (Linux)
+        nice.append(write_and_watch("niced"))
+
+    th = threading.Thread(target=niced)
+    th.start()
+    th.join()
+    assert nice == [{min(base + 5, 19)}]
+    assert write_and_watch("after") == {base}

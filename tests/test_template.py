@@ -4,6 +4,7 @@ numbers change, and no template is used once the structure changes."""
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 import pickle
@@ -242,12 +243,13 @@ def test_tensor_attributes_are_structure():
 def test_memory_viewed_as_two_dtypes_is_refused_after_a_template_too():
     """Pickling refuses two storages over one memory viewed as different dtypes; a template
     learnt from independent tensors does not let such a state through."""
-    a, b = torch.randn(4), torch.zeros(4, dtype=torch.int32)
+    memory = (ctypes.c_float * 4)()
+    a, b = torch.frombuffer(memory, dtype=torch.float32), torch.zeros(4, dtype=torch.int32)
     templates = Templates()
     prepare("r", {"a": a, "b": b}, templates)
     prepare("r", {"a": a, "b": b}, templates)
     assert templates.hits == 1
-    alias = torch.from_numpy(a.numpy().view("int32"))  # another storage object, the same memory
+    alias = torch.frombuffer(memory, dtype=torch.int32)  # another storage object, the same memory
     assert alias.untyped_storage()._cdata != a.untyped_storage()._cdata
     with pytest.raises(UnsaveableObjectError, match="different types"):
         prepare("r", {"a": a, "b": alias}, templates)

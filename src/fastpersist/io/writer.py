@@ -226,8 +226,9 @@ class _WriterThreads:
 class _Worker:
     """A writer thread of the crew: serves one file's requests at a time, then waits idle."""
 
-    def __init__(self, crew: _Crew, number: int) -> None:
+    def __init__(self, crew: _Crew, number: int, nice: int) -> None:
         self._crew = crew
+        self.nice = nice
         self._files: queue.SimpleQueue[_WriterThreads | None] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=f"fastpersist-writer-{number}", daemon=True).start()
 
@@ -262,26 +263,34 @@ class _Crew:
     """The process's idle writer threads. A file leases as many as it writes with; each comes
     back when the file's writes end. Files written at once get threads of their own, so one
     file never waits for another's. At most ``keep`` idle threads stay; a forked child starts
-    with none (its parent's threads do not exist there)."""
+    with none (its parent's threads do not exist there).
+
+    A thread starts with the CPU niceness of the thread that started it (Linux: per thread),
+    and an unprivileged thread cannot lower its niceness again; so threads are kept apart by
+    niceness, and a file is written by threads of its own writer's niceness: a nice'd thread
+    (the durable tier's drain runs at 10) never lends its priority to a save's writes, nor the
+    other way round."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
         self._lock = threading.Lock()
-        self._idle: list[_Worker] = []
+        self._idle: dict[int, list[_Worker]] = {}  # by niceness
         self._started = 0
         os.register_at_fork(after_in_child=self._forget)
 
     def lease(self, writers: _WriterThreads, count: int) -> None:
         """Give ``writers`` ``count`` threads; if a thread cannot be started, none is given and
         the threads taken go back."""
+        nice = _niceness()
         with self._lock:
-            workers = [self._idle.pop() for _ in range(min(count, len(self._idle)))]
+            idle = self._idle.get(nice, [])
+            workers = [idle.pop() for _ in range(min(count, len(idle)))]
         try:
             while len(workers) < count:
                 with self._lock:
                     self._started += 1
                     number = self._started
-                workers.append(_Worker(self, number))
+                workers.append(_Worker(self, number, nice))  # started by this thread: its niceness
         except BaseException:
             for w in workers:
                 if not self.back(w):
@@ -293,14 +302,26 @@ class _Crew:
     def back(self, worker: _Worker) -> bool:
         """``worker`` is idle again; False when enough are idle already (it ends)."""
         with self._lock:
-            if len(self._idle) >= self._keep:
+            if sum(len(v) for v in self._idle.values()) >= self._keep:
                 return False
-            self._idle.append(worker)
+            self._idle.setdefault(worker.nice, []).append(worker)
             return True
+
+    def idle(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._idle.values())
 
     def _forget(self) -> None:
         self._lock = threading.Lock()
-        self._idle = []
+        self._idle = {}
+
+
+def _niceness() -> int:
+    """The calling thread's niceness (Linux: per thread; elsewhere the process's)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except (OSError, AttributeError):
+        return 0
 
 
 _CREW = _Crew(keep=16)

@@ -107,6 +107,7 @@ def guarded_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
 # dictionary (numpy's scalars) and enum members are immutable too; anything else is not plain.
 _IMMUTABLE = {int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size}
 _SCALARS = (int, float, complex, str, bytes)
+_STRIDED = torch.strided
 
 
 def _immutable(obj: Any) -> bool:
@@ -116,31 +117,28 @@ def _immutable(obj: Any) -> bool:
     return isinstance(obj, enum.Enum) or (isinstance(obj, _SCALARS) and not hasattr(obj, "__dict__"))
 
 
-def _plain_tensor(t: torch.Tensor) -> bool:
-    """A tensor a capture rebuilds exactly: a dense torch.Tensor or Parameter (a subclass, a
-    sparse, quantized or nested tensor is pickled at save time instead, the way torch.save
-    would pickle it). Its Python attributes (torch.compile marks optimizer state with
-    ``_dynamo_static_input_type``) must be plain too; the capture copies them."""
-    return ((type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.layout is torch.strided
-            and not t.is_quantized and not t.is_nested and not t.is_conj() and not t.is_neg())
-
-
 def _tensors(obj: Any, out: dict[int, torch.UntypedStorage]) -> bool:
     """Collect the storages of the tensors in ``obj``; False if something a capture would not
-    rebuild exactly was met (the containers are the exact built-in types; an OrderedDict may
-    carry attributes, as a module's state_dict carries ``_metadata``)."""
+    rebuild exactly was met. The containers are the exact built-in types (an OrderedDict may
+    carry attributes, as a module's state_dict carries ``_metadata``); a tensor is a dense
+    torch.Tensor or Parameter, neither quantized, nested, nor a conjugate or negative view (a
+    subclass or any other is pickled at save time instead, the way torch.save pickles it), and
+    its Python attributes (torch.compile marks optimizer state with
+    ``_dynamo_static_input_type``) are plain too: the capture copies them."""
     t = type(obj)
     if t is dict:
         return all([_tensors(v, out) for v in obj.values()])
     if t is list or t is tuple:
         return all([_tensors(v, out) for v in obj])
-    if isinstance(obj, torch.Tensor):
-        if not _plain_tensor(obj):
+    if t is torch.Tensor or t is torch.nn.Parameter:  # _plain_tensor, inlined: once per tensor in save()
+        if obj.layout is not _STRIDED or obj.is_quantized or obj.is_nested or obj.is_conj() or obj.is_neg():
             return False
         s = obj.untyped_storage()
         out.setdefault(storage_key(s), s)
-        attrs = vars(obj)
+        attrs = obj.__dict__
         return not attrs or _tensors(attrs, out)
+    if isinstance(obj, torch.Tensor):  # a subclass: pickled in save()
+        return False
     if t is OrderedDict:
         return all([_tensors(v, out) for v in obj.values()]) and _tensors(vars(obj), out)
     return _immutable(obj)
@@ -242,7 +240,7 @@ class Capture:
             return tuple([self(v) for v in obj])
         if isinstance(obj, torch.Tensor):
             view = self.tensor(obj)
-            attrs = vars(obj)
+            attrs = obj.__dict__
             if attrs:
                 vars(view).update(self(attrs))
             return view

@@ -130,7 +130,7 @@ def _tensors(obj: Any, out: dict[int, torch.UntypedStorage]) -> bool:
         return all([_tensors(v, out) for v in obj.values()])
     if t is list or t is tuple:
         return all([_tensors(v, out) for v in obj])
-    if t is torch.Tensor or t is torch.nn.Parameter:  # _plain_tensor, inlined: once per tensor in save()
+    if t is torch.Tensor or t is torch.nn.Parameter:  # checked inline: this runs for every tensor in save()
         if obj.layout is not _STRIDED or obj.is_quantized or obj.is_nested or obj.is_conj() or obj.is_neg():
             return False
         s = obj.untyped_storage()

@@ -33,7 +33,7 @@ import torch
 from fastpersist import _torch, dtensor
 from fastpersist.errors import CheckpointError
 from fastpersist.format import manifest as mf
-from fastpersist.format import torchzip
+from fastpersist.format import skeleton, torchzip
 from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, ready_events
 from fastpersist.io.fills import Fill
 from fastpersist.objects.write import prepare
@@ -107,7 +107,6 @@ def guarded_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
 # dictionary (numpy's scalars) and enum members are immutable too; anything else is not plain.
 _IMMUTABLE = {int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size}
 _SCALARS = (int, float, complex, str, bytes)
-_STRIDED = torch.strided
 
 
 def _immutable(obj: Any) -> bool:
@@ -130,8 +129,8 @@ def _tensors(obj: Any, out: dict[int, torch.UntypedStorage]) -> bool:
         return all([_tensors(v, out) for v in obj.values()])
     if t is list or t is tuple:
         return all([_tensors(v, out) for v in obj])
-    if t is torch.Tensor or t is torch.nn.Parameter:  # checked inline: this runs for every tensor in save()
-        if obj.layout is not _STRIDED or obj.is_quantized or obj.is_nested or obj.is_conj() or obj.is_neg():
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        if not skeleton.rebuilds_exactly(obj):
             return False
         s = obj.untyped_storage()
         out.setdefault(storage_key(s), s)

@@ -85,6 +85,18 @@ def serialize(obj: object, protocol: int = 2, marks: type | None = None
     return {"data.pkl": buf.getvalue(), **small_records()}, list(keys.values()), storages
 
 
+def rebuilds_exactly(t: torch.Tensor) -> bool:
+    """Whether the tensor ``t`` (a torch.Tensor or Parameter, exactly) is its storage's bytes
+    viewed through dtype, offset, shape and strides: dense, neither quantized, nested, nor a
+    conjugate or negative view. Such a tensor can be re-pointed to a copy of its storage (the
+    background modes' capture) and is pickled by its storage alone (the skeleton templates)."""
+    return (t.layout is _STRIDED and not t.is_quantized and not t.is_nested and not t.is_conj()
+            and not t.is_neg())
+
+
+_STRIDED = torch.strided
+
+
 def small_records() -> dict[str, bytes]:
     """torch's small records beside ``data.pkl``."""
     return {

@@ -108,7 +108,7 @@ class _Walk:
         if t is dict or t is OrderedDict:
             add(_DICT if t is dict else _ODICT)
             add(len(o))
-            items = []
+            items = []  # the marked copy's (only a marked walk builds copies)
             for k, v in o.items():
                 kt = type(k)
                 if kt is str:
@@ -121,22 +121,28 @@ class _Walk:
                     add(k)
                 else:
                     raise _NotPlain
-                items.append((k, self._node(v)))
-            if t is dict:
-                return dict(items) if self._marked else None
-            attrs = self._node(vars(o))
+                node = self._node(v)
+                if self._marked:
+                    items.append((k, node))
+            attrs = self._node(vars(o)) if t is OrderedDict else None
             if not self._marked:
                 return None
+            if t is dict:
+                return dict(items)
             out: OrderedDict[Any, Any] = OrderedDict(items)
-            vars(out).update(attrs)
+            vars(out).update(attrs or {})
             return out
         if t is list or t is tuple:
             add(_LIST if t is list else _TUPLE)
             add(len(o))
+            if not self._marked:
+                for v in o:
+                    self._node(v)
+                return None
             copied = [self._node(v) for v in o]
-            return (copied if t is list else tuple(copied)) if self._marked else None
+            return copied if t is list else tuple(copied)
         if t is torch.Tensor or t is torch.nn.Parameter:
-            if o.layout is not torch.strided or o.is_quantized or o.is_nested or o.is_conj() or o.is_neg():
+            if not skeleton.rebuilds_exactly(o):
                 raise _NotPlain
             s = o.untyped_storage()
             ptr = s.data_ptr()

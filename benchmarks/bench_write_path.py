@@ -3,7 +3,9 @@
 Each measurement runs in a fresh process on the same state in the same directory, memory warm
 (the state is built and touched before timing). The Checkpointer and ``fastpersist.save``
 contenders first save once untimed (the steady state of per-iteration checkpointing: the
-snapshot arena and the staging buffers exist). Before the timed write the previous files are
+snapshot arena and the staging buffers exist); with ``--cold`` they do not: the timed save is
+the process's first (what a job's first checkpoint pays: the staging pool, the snapshot arena and
+the writer threads are made during it). Before the timed write the previous files are
 gone and the disk is synced and left idle for ``--settle`` seconds. Contenders alternate and
 rotate round by round, so the disk's drift hits all alike; each ratio is per round (raw's time
 over the contender's, same round), then median [min-max] over rounds.
@@ -27,7 +29,7 @@ faster than the disk takes them) is the regime where the commit's time holds tra
 long one is the regime where only the time blocked in save() does. The table gives the seconds
 per iteration (median over rounds of each round's mean) and the time blocked per save.
 
-    python benchmarks/bench_write_path.py [--gib 1] [--rounds 5] [--dir /var/tmp] [--before /path/src]
+    python benchmarks/bench_write_path.py [--gib 1] [--rounds 5] [--dir /var/tmp] [--before /path/src] [--cold]
     python benchmarks/bench_write_path.py --loop [--gib 1] [--compute 0.05] [--iters 8] [--rounds 5]
 """
 
@@ -60,7 +62,8 @@ def _tensors(obj: object) -> list:
     return []
 
 
-def _one(contender: str, gib: float, directory: str, settle: float, compute: float, iters: int) -> dict[str, float]:
+def _one(contender: str, gib: float, directory: str, settle: float, compute: float, iters: int,
+         cold: bool = False) -> dict[str, float]:
     """Run one contender in this process; its seconds and payload bytes."""
     import torch
 
@@ -100,8 +103,9 @@ def _one(contender: str, gib: float, directory: str, settle: float, compute: flo
 
     if contender == "single":
         os.makedirs(target)
-        fp.save(state, os.path.join(target, "warm.pt"))  # steady state: staging buffers exist
-        os.remove(os.path.join(target, "warm.pt"))
+        if not cold:
+            fp.save(state, os.path.join(target, "warm.pt"))  # steady state: staging buffers exist
+            os.remove(os.path.join(target, "warm.pt"))
         os.sync()
         time.sleep(settle)
         t0 = time.perf_counter()
@@ -112,7 +116,8 @@ def _one(contender: str, gib: float, directory: str, settle: float, compute: flo
     mode = "sync" if contender == "sync" else "snapshot"
     config = fp.IOConfig(snapshot_pipeline="on") if contender == "pipelined" else None  # else the defaults
     ck = fp.Checkpointer(target, mode=mode, keep=2, config=config)
-    ck.save(0, state).result()  # steady state: the arena and staging buffers exist, as in training
+    if not cold:
+        ck.save(0, state).result()  # steady state: the arena and staging buffers exist, as in training
     os.sync()
     time.sleep(settle)
     t0 = time.perf_counter()
@@ -143,11 +148,12 @@ def _loop(fp, state: dict, target: str, pipeline: str, compute: float, iters: in
 
 
 def _run(contender: str, gib: float, directory: str, src: str, settle: float, compute: float = 0.0,
-         iters: int = 0) -> dict[str, float]:
+         iters: int = 0, cold: bool = False) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, HERE]), OMP_NUM_THREADS="2")
     name = contender.split("@")[0]
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", name, "--gib", str(gib),
-                          "--dir", directory, "--settle", str(settle), "--compute", str(compute), "--iters", str(iters)],
+                          "--dir", directory, "--settle", str(settle), "--compute", str(compute), "--iters", str(iters)]
+                         + (["--cold"] if cold else []),
                          env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -183,10 +189,11 @@ def main() -> None:
     p.add_argument("--loop", action="store_true", help="the training-loop scenario (see above)")
     p.add_argument("--compute", type=float, default=0.05, help="--loop: seconds of compute per iteration")
     p.add_argument("--iters", type=int, default=8, help="--loop: iterations (one save each)")
+    p.add_argument("--cold", action="store_true", help="time each process's first save (no untimed save before)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
-        print(json.dumps(_one(a.one, a.gib, a.dir, a.settle, a.compute, a.iters)))
+        print(json.dumps(_one(a.one, a.gib, a.dir, a.settle, a.compute, a.iters, a.cold)))
         return
     directory = tempfile.mkdtemp(prefix="fastpersist-writepath-", dir=a.dir)
     if a.loop:
@@ -201,11 +208,13 @@ def main() -> None:
         for r in range(a.rounds):
             order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]  # rotated
             for c in order:
-                results[c].append(_run(c, a.gib, directory, a.before if c.endswith("@before") else SRC, a.settle))
+                results[c].append(_run(c, a.gib, directory, a.before if c.endswith("@before") else SRC, a.settle,
+                                       cold=a.cold))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
-    print(f"\n{a.gib} GiB GPT-like state, {a.rounds} rounds, warm memory, {a.dir}\n")
+    memory = "cold: each process's first save" if a.cold else "warm memory"
+    print(f"\n{a.gib} GiB GPT-like state, {a.rounds} rounds, {memory}, {a.dir}\n")
     print("| contender | GB/s median [min-max] | of raw (per round) | blocked s |")
     print("|---|---|---|---|")
     for c in contenders:

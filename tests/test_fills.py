@@ -9,12 +9,14 @@ import threading
 
 import pytest
 import torch
+import xxhash
 
 import fastpersist as fp
 from fastpersist.config import IOConfig
 from fastpersist.io.backend import FileBackend
 from fastpersist.io.buffers import BufferPool, aligned_empty, memory_view
 from fastpersist.io.fills import Fill, wait_filled
+from fastpersist.io import writer
 from fastpersist.io.writer import Piece
 from fastpersist.objects.write import write_new_file
 
@@ -74,6 +76,61 @@ def test_the_writer_writes_each_part_once_it_is_copied_and_never_before(tmp_path
     assert "error" not in out, out
     with open(tmp_path / "f.bin", "rb") as f:
         assert f.read() == source.numpy().tobytes()
+
+
+def test_hashing_waits_for_the_copy_and_the_digests_stay_exact(tmp_path, monkeypatch):
+    """A pipelined write hashes nothing while save()'s copy runs (both would share the CPU);
+    once the copy is over it catches up, and every digest is the digest of the piece's bytes:
+    a small record, small pieces of the arena (staged) and a large one (written from memory)."""
+    n = 6 * MIB
+    arena = aligned_empty(n)
+    arena.fill_(0xEE)
+    source = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    header = b"fastpersist" * 300  # 3300 bytes, staged from a bytes object
+    small = [(4096 + k * 5000, 5000) for k in range(3)]  # arena bytes written through the pool
+    big_at = 5 * MIB  # a page-aligned part of the arena, written straight from it
+    pieces = [Piece(0, len(header), data=header, tag="header")]
+    pieces += [Piece(off, nb, tag=f"small{k}", addr=arena.data_ptr() + off) for k, (off, nb) in enumerate(small)]
+    pieces.append(Piece(big_at, 4 * MIB, tag="big", addr=arena.data_ptr() + MIB))
+    size = big_at + 4 * MIB
+    fill = Fill(arena.data_ptr(), n)
+    hashed_while_copying: list[str] = []
+    real_now = writer._Hashers._now
+
+    def watched(self, tag, view):
+        if fill.copying():
+            hashed_while_copying.append(tag)
+        real_now(self, tag, view)
+
+    monkeypatch.setattr(writer._Hashers, "_now", watched)
+    cfg = IOConfig(chunk_bytes=MIB, num_buffers=2, writer_threads=1, direct="auto", zero_copy_min_bytes=MIB)
+    backend = _Watching()
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["digests"] = write_new_file(str(tmp_path / "f.bin"), pieces, size, 0, backend, cfg, BufferPool(MIB, 2))
+        except BaseException as e:  # noqa: BLE001 - checked by the test
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        for k in range(n // MIB):  # the copy, front to back, while the writer writes what landed
+            arena[k * MIB : (k + 1) * MIB].copy_(source[k * MIB : (k + 1) * MIB])
+            fill.advance((k + 1) * MIB)
+            if k == 0:
+                assert backend.first.wait(60), "nothing written once the first part was copied"
+        fill.complete()
+        t.join(60)
+    finally:
+        fill.close()
+    assert "error" not in out, out
+    assert hashed_while_copying == [], f"hashed while the copy ran: {hashed_while_copying}"
+    want = {"header": xxhash.xxh3_64_intdigest(header), "big": xxhash.xxh3_64_intdigest(source[MIB : 5 * MIB].numpy())}
+    for k, (off, nb) in enumerate(small):
+        want[f"small{k}"] = xxhash.xxh3_64_intdigest(source[off : off + nb].numpy())
+    assert out["digests"] == want
 
 
 def test_a_failed_copy_fails_the_write_naming_the_cause(tmp_path):

@@ -452,8 +452,14 @@ def test_hostile_json_values_are_checkpoint_errors(tmp_path, value):
         "TypeError"])
 def test_damaged_pickle_and_small_records_are_checkpoint_errors(tmp_path, record, data):
     """torch's own ValueError/EOFError/IndexError/TypeError from damaged pickles and small
-    records escaped (verification off, so the damage reaches torch's loader)."""
+    records escaped (verification off, so the damage reaches torch's loader). fastpersist
+    writes no ``.storage_alignment`` (docs/FORMAT.md); torch.save's files, which it loads, do."""
+    import torch
+
     path = _single(tmp_path)
+    if record == ".storage_alignment":
+        path = str(tmp_path / "torch.pt")
+        torch.save({"w": torch.arange(4.0)}, path)
     rec = build.records(path)[record]
     build.patch(path, rec.offset, data[: rec.nbytes].ljust(rec.nbytes, b"." if record == "data.pkl" else b" "))
     _refused(run_isolated(probes.load_single, path, False), path)

@@ -63,7 +63,7 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
     path = os.fspath(path)
     start = time.perf_counter()
     directory = check_directory(path)
-    layout = torchzip.layout(obj)
+    layout = torchzip.layout(obj, phase_from=cfg.zero_copy_min_bytes)
     temp = temp_path_for(path)
     try:
         file = io.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.direct, 0)

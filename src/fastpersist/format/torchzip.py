@@ -1,14 +1,25 @@
-"""The single-file layout: torch's own zip archive, with every storage record 4 KiB-aligned.
+"""The single-file layout: a torch zip archive whose large storage records start at their memory's phase.
 
-fastpersist lets torch lay out the archive (so plain ``torch.load`` reads the result) but keeps
-the storage bytes for its own write engine. :func:`layout` runs torch's serializer against a
-recording sink: every byte torch writes (zip headers, the pickle, small records) is captured in
-memory, and each storage record is only *reserved* (``write_record_metadata``), which tells us
-the record's file offset. No storage byte is copied here.
+fastpersist lets torch's serializer decide what the archive holds (so plain ``torch.load``
+reads the result) but lays the archive out itself and keeps the storage bytes for its own write
+engine. :func:`layout` runs ``torch.serialization._save`` against a recorder that keeps every
+record torch hands it (the pickle, the small records, each storage by reference: no storage
+byte is copied), then places the records with :mod:`fastpersist.format.zipwrite`, the archive
+miniz writes with the padding chosen per record: a large storage in host memory starts at its
+own 4 KiB phase, so the writer sends its page-aligned middle straight from the tensor
+(O_DIRECT, no copy); smaller records start on 64-byte boundaries, as torch places them.
+
+torch's ``.format_version`` record is not written: with it, torch's loader may compute a
+storage's offset from the previous record's end assuming its own fixed padding
+(``torch.utils.serialization.config.load.calculate_storage_offsets``, the offsets it gives
+tensors loaded on the meta device) instead of reading the record's header, and those offsets
+would be wrong here. Without it, torch reads every offset from the record's local header, as
+it does for archives of torch before 2.1. ``.storage_alignment``, which only that arithmetic
+reads, is not written either.
 
 After the storage records, fastpersist adds one record of its own, ``.fastpersist``, holding a
 JSON document with the xxh3-64 digest of every other record. torch ignores it; ``load`` uses it
-to verify what it read. The record has a fixed size known before the digests, so it is reserved
+to verify what it read. The record has a fixed size known before the digests, so it is placed
 with the others and filled last. Its format is specified in docs/FORMAT.md.
 """
 
@@ -26,9 +37,8 @@ import xxhash
 
 from fastpersist import _torch
 from fastpersist.errors import CorruptCheckpointError, UnsaveableObjectError, UnsupportedFormatError
-from fastpersist.format import jsondoc, zipdir
+from fastpersist.format import jsondoc, zipdir, zipwrite
 
-STORAGE_ALIGNMENT = 4096
 CHECKSUM_RECORD = ".fastpersist"
 FORMAT_NAME = "fastpersist-single-file"
 FORMAT_VERSION = 1
@@ -39,6 +49,8 @@ MAX_CHECKSUM_RECORD_BYTES = 64 << 20
 MAX_SMALL_RECORD_BYTES = 1 << 20  # any other record that is not a storage or data.pkl
 # Records torch writes after ``.fastpersist``: not covered by it, and not needed to load.
 TRAILING_RECORDS = frozenset({"version", ".data/version", ".data/serialization_id"})
+# torch's records fastpersist does not write (see above); files of earlier versions have them.
+DROPPED_RECORDS = frozenset({".format_version", ".storage_alignment"})
 
 
 @dataclass
@@ -81,29 +93,47 @@ class Layout:
         return bytes(out)
 
 
-class _Sink:
-    """A file-like object that keeps what is written and remembers the position."""
+class _Recorder:
+    """Stands in for torch's zip writer inside ``torch.serialization._save``: keeps every record
+    torch hands it, in order, and writes nothing. Storage records keep their storage (no byte
+    is copied); ``.format_version`` and ``.storage_alignment`` are dropped (see the module
+    docstring)."""
 
     def __init__(self) -> None:
+        self.records: list[tuple[str, bytes | torch.UntypedStorage, int]] = []
+
+    def write_record(self, name: str, data: object, nbytes: int) -> None:
+        if isinstance(data, (torch.UntypedStorage, torch.TypedStorage)):
+            storage = data if isinstance(data, torch.UntypedStorage) else data._untyped_storage
+            self.records.append((name, storage, nbytes))
+            return
+        if name in DROPPED_RECORDS:
+            return
+        raw = data.encode() if isinstance(data, str) else bytes(data)  # type: ignore[call-overload]
+        self.records.append((name, raw[:nbytes], nbytes))
+
+    def write_record_metadata(self, name: str, nbytes: int) -> None:
+        raise UnsaveableObjectError("fastpersist cannot save while torch's skip_data mode is active")
+
+
+class _Sink:
+    """A file-like object holding what torch's own writer writes (the trailing records)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
         self.pos = 0
-        self.chunks: list[tuple[int, bytes]] = []
-        self.skipped_from = -1  # where the last seek started: the start of a reserved record
 
     def write(self, data: object) -> int:
-        b = bytes(memoryview(data))  # type: ignore[arg-type]
-        if b:
-            self.chunks.append((self.pos, b))
-        self.pos += len(b)
+        b = memoryview(data).cast("B")  # type: ignore[arg-type]
+        end = self.pos + len(b)
+        if end > len(self.buf):
+            self.buf.extend(bytes(end - len(self.buf)))
+        self.buf[self.pos : end] = b
+        self.pos = end
         return len(b)
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self.skipped_from = self.pos
-        if whence == 0:
-            self.pos = offset
-        elif whence == 1:
-            self.pos += offset
-        else:
-            raise OSError("fastpersist's layout sink only seeks from the start or the current position")
+        self.pos = offset if whence == 0 else self.pos + offset
         return self.pos
 
     def tell(self) -> int:
@@ -113,62 +143,83 @@ class _Sink:
         pass
 
 
-class _Recorder:
-    """Stands in for torch's zip writer inside ``torch.serialization._save``.
-
-    Storage records are reserved instead of written; ``.storage_alignment`` is recorded as the
-    alignment actually used, so torch's offset arithmetic on load stays right.
-    """
-
-    def __init__(self, real: Any, sink: _Sink) -> None:  # real: torch._C.PyTorchFileWriter
-        self._real = real
-        self._sink = sink
-        self.storages: list[StorageRecord] = []
-        self.small_digests: dict[str, int] = {}
-
-    def write_record(self, name: str, data: object, nbytes: int) -> None:
-        if isinstance(data, (torch.UntypedStorage, torch.TypedStorage)):
-            storage = data if isinstance(data, torch.UntypedStorage) else data._untyped_storage
-            self._sink.skipped_from = -1
-            self._real.write_record_metadata(name, nbytes)
-            if nbytes:  # torch skips the record's bytes with one seek from their start
-                self.storages.append(StorageRecord(name, storage, self._sink.skipped_from, nbytes))
-            return
-        if name == ".storage_alignment":
-            data = str(STORAGE_ALIGNMENT)
-            nbytes = len(data)
-        raw = data.encode() if isinstance(data, str) else bytes(data)  # type: ignore[call-overload]
-        self.small_digests[name] = xxhash.xxh3_64_intdigest(raw)
-        self._real.write_record(name, data, nbytes)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._real, name)
+def _trailing_records(have: set[str]) -> list[tuple[str, bytes]]:
+    """The records torch's writer adds when it closes an archive (``version``,
+    ``.data/serialization_id``: a new id for every file), taken from torch's own writer closing
+    an empty archive, less those ``have`` holds."""
+    sink = _Sink()
+    writer = _torch.file_writer(sink, False, zipwrite.RECORD_ALIGNMENT)
+    writer.write_end_of_file()
+    raw = bytes(sink.buf)
+    out = []
+    for r in zipdir.read_directory("torch's writer", zipdir.bytes_reader("torch's writer", raw), len(raw)):
+        name = r.name.split("/", 1)[-1]
+        if name not in have:
+            out.append((name, raw[r.offset : r.offset + r.nbytes]))
+    return out
 
 
-def layout(obj: object, pickle_protocol: int = 2) -> Layout:
-    """Lay out ``obj`` as a torch zip archive with 4 KiB-aligned storage records.
+def layout(obj: object, pickle_protocol: int = 2, *, phase_from: int = 1 << 20) -> Layout:
+    """Lay ``obj`` out as a torch zip archive.
+
+    A storage of ``phase_from`` bytes or more starts at its memory's 4 KiB phase if it is in
+    host memory at a 64-byte aligned address (torch's allocator's alignment, which a loaded
+    tensor keeps), on a page boundary otherwise; every other record starts on a 64-byte
+    boundary, as torch places them.
 
     Raises :class:`UnsaveableObjectError` when torch's serializer rejects the object.
     """
-    sink = _Sink()
-    real = _torch.file_writer(sink, False, STORAGE_ALIGNMENT)  # no CRC32: xxh3 instead
-    rec = _Recorder(real, sink)
+    rec = _Recorder()
     try:
         _torch.save_records(obj, rec, pickle, pickle_protocol)
+    except UnsaveableObjectError:
+        raise
     except Exception as e:
         raise UnsaveableObjectError(f"the object cannot be serialized: {type(e).__name__}: {e}") from e
-    body_end = sink.pos
-    names = sorted(rec.small_digests) + [s.name for s in rec.storages]
+    chunks: list[tuple[int, bytes]] = []
+    placed: list[zipwrite.Placed] = []
+    storages: list[StorageRecord] = []
+    small_digests: dict[str, int] = {}
+    pos = 0
+    for name, data, nbytes in rec.records:
+        if isinstance(data, torch.UntypedStorage):
+            p = zipwrite.place(zipwrite.Entry(name, nbytes, _phase(data, nbytes, phase_from)), pos)
+            if nbytes:
+                storages.append(StorageRecord(name, data, p.offset, nbytes))
+        else:
+            p = zipwrite.place(zipwrite.Entry(name, nbytes), pos)
+            small_digests[name] = xxhash.xxh3_64_intdigest(data)
+        chunks.append((p.header_offset, p.header))
+        if not isinstance(data, torch.UntypedStorage) and nbytes:
+            chunks.append((p.offset, data))
+        if p.descriptor:
+            chunks.append((p.offset + nbytes, p.descriptor))
+        placed.append(p)
+        pos = p.end
+    body_end = pos
+    names = sorted(small_digests) + [s.name for s in storages]
     size = len(_checksum_document({n: 0 for n in names}))
-    real.write_record_metadata(CHECKSUM_RECORD, size)
-    checksum_offset = sink.skipped_from
-    real.write_end_of_file()
-    chunks = [c for c in sink.chunks if c[0] < body_end]
-    tail = bytearray(sink.pos - body_end)
-    for off, b in sink.chunks:
-        if off >= body_end:
-            tail[off - body_end : off - body_end + len(b)] = b
-    return Layout(chunks, rec.storages, rec.small_digests, body_end, tail, checksum_offset, names)
+    tail_placed = [zipwrite.place(zipwrite.Entry(CHECKSUM_RECORD, size), pos)]
+    pos = tail_placed[0].end
+    trailing = _trailing_records({r[0] for r in rec.records})
+    for name, data in trailing:
+        tail_placed.append(zipwrite.place(zipwrite.Entry(name, len(data)), pos))
+        pos = tail_placed[-1].end
+    tail = bytearray(pos - body_end)
+    for p, data in zip(tail_placed, [b""] + [d for _, d in trailing]):
+        for at, b in ((p.header_offset, p.header), (p.offset, data), (p.offset + p.entry.nbytes, p.descriptor)):
+            tail[at - body_end : at - body_end + len(b)] = b
+    tail += zipwrite.directory(placed + tail_placed, pos)
+    return Layout(chunks, storages, small_digests, body_end, tail, tail_placed[0].offset, names)
+
+
+def _phase(storage: torch.UntypedStorage, nbytes: int, phase_from: int) -> int | None:
+    if nbytes < max(phase_from, 1):
+        return None
+    if storage.device.type != "cpu":
+        return 0
+    addr = int(storage.data_ptr())
+    return addr % zipwrite.PAGE if addr % zipwrite.RECORD_ALIGNMENT == 0 else 0
 
 
 def _checksum_document(digests: dict[str, int]) -> bytes:

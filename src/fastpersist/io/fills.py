@@ -62,6 +62,10 @@ class Fill:
             if self in _active:
                 _active.remove(self)
 
+    def copying(self) -> bool:
+        """The copy is still running: neither complete nor failed."""
+        return self._done < self.size and self._error is None
+
     def wait(self, end: int) -> None:
         """Until every byte below ``end`` (relative to ``base``) holds its copy."""
         with self._cond:
@@ -79,6 +83,15 @@ def registered() -> int:
     """How many fills are registered now (one per pipelined save whose job holds its arena)."""
     with _lock:
         return len(_active)
+
+
+def filling() -> bool:
+    """Whether a snapshot copy is still running: a registered fill has neither completed nor
+    failed (the writer hashes later while one is, :mod:`fastpersist.io.writer`)."""
+    if not _active:
+        return False
+    with _lock:
+        return any(f.copying() for f in _active)
 
 
 def wait_filled(addr: int, nbytes: int) -> None:

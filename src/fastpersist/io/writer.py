@@ -23,6 +23,7 @@ both of which release the GIL; the training thread keeps running while the write
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import errno
 import os
@@ -39,7 +40,7 @@ from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointWriteError
 from fastpersist.io.buffers import ALIGN, BufferPool, StagingBuffer, align_down, copy_to_host, memory_view
 from fastpersist.io.files import DirectFile, pwrite_all
-from fastpersist.io.fills import wait_filled
+from fastpersist.io.fills import filling, wait_filled
 
 # Copy and hash in steps of this size so the hash reads bytes the copy left in the cache.
 _STEP = 1 << 20
@@ -104,18 +105,64 @@ def _cpu_address(piece: Piece) -> int | None:
 
 
 class _Hashers:
-    def __init__(self) -> None:
-        self._h: dict[Hashable, xxhash.xxh3_64] = {}
+    """The running digest of every tagged piece, fed in file order.
 
-    def update(self, tag: Hashable | None, view: memoryview) -> None:
-        if tag is None:
-            return
+    While a snapshot copy is still running (:func:`fastpersist.io.fills.filling`, a pipelined
+    save) hashing waits: the bytes are noted, and hashed once the copy is over, a bounded
+    amount per request submitted (:meth:`catch_up`), so the disk keeps being fed. Hashing beside
+    the copy would take the CPU and memory bandwidth that ``save()``'s copy needs on a machine
+    with few cores (docs/DESIGN.md, "The snapshot pipeline"); deferred, it overlaps the writes
+    only. Noted bytes must stay unchanged until the file is written (the :class:`Piece`
+    contract), so only memory the caller owns is noted, never a staging buffer.
+    """
+
+    def __init__(self, defer: bool = False) -> None:
+        self._h: dict[Hashable, xxhash.xxh3_64] = {}
+        self._later: collections.deque[tuple[Hashable, memoryview]] | None = collections.deque() if defer else None
+
+    @property
+    def deferring(self) -> bool:
+        return self._later is not None
+
+    def _now(self, tag: Hashable, view: memoryview) -> None:
         h = self._h.get(tag)
         if h is None:
             h = self._h[tag] = xxhash.xxh3_64()
         h.update(view)
 
+    def update(self, tag: Hashable | None, view: memoryview) -> None:
+        """Hash ``view`` (bytes of a staging buffer: hashed now, in order with what was noted)."""
+        if tag is None:
+            return
+        if self._later is not None:
+            self.catch_up()  # the noted bytes come first in the file
+        self._now(tag, view)
+
+    def note(self, tag: Hashable | None, view: memoryview) -> None:
+        """Hash ``view`` (the caller's own memory), now or, while a copy runs, later."""
+        if tag is None:
+            return
+        if self._later is not None:
+            self._later.append((tag, view))
+        else:
+            self._now(tag, view)
+
+    def catch_up(self, budget: int | None = None) -> None:
+        """Hash up to ``budget`` noted bytes (every one if None), once no copy runs any more;
+        with every noted byte hashed, hash at once from then on."""
+        later = self._later
+        if later is None or (budget is not None and filling()):
+            return
+        done = 0
+        while later and (budget is None or done < budget):
+            tag, view = later.popleft()
+            self._now(tag, view)
+            done += len(view)
+        if not later:
+            self._later = None
+
     def digests(self, pieces: Sequence[Piece]) -> dict[Hashable, int]:
+        self.catch_up()
         out = {}
         for p in pieces:
             if p.tag is not None:
@@ -128,8 +175,9 @@ def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers:
     """Copy one segment into a staging buffer at ``dst`` and hash it."""
     p = seg.piece
     if p.data is not None:
-        buf_view[dst : dst + seg.nbytes] = memoryview(p.data)[seg.start : seg.start + seg.nbytes]
-        hashers.update(p.tag, buf_view[dst : dst + seg.nbytes])
+        src = memoryview(p.data)[seg.start : seg.start + seg.nbytes]
+        buf_view[dst : dst + seg.nbytes] = src
+        hashers.note(p.tag, src)
         return
     src_addr = _cpu_address(p)
     if p.tensor is None and src_addr is None:
@@ -143,7 +191,12 @@ def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers:
         if src_addr is not None:
             wait_filled(src_addr + seg.start + done, n)  # a snapshot still being copied (fills.py)
             ctypes.memmove(buf_addr + d, src_addr + seg.start + done, n)
-        hashers.update(p.tag, buf_view[d : d + n])
+            if hashers.deferring:
+                hashers.note(p.tag, memory_view(src_addr + seg.start + done, n))
+            else:  # the bytes the copy just left in the cache
+                hashers.update(p.tag, buf_view[d : d + n])
+        else:
+            hashers.update(p.tag, buf_view[d : d + n])
         done += n
 
 
@@ -373,7 +426,7 @@ def write_pieces(
         return {}
     end = index.pieces[-1].end
     direct_end = align_down(end) if file.is_direct else end
-    hashers = _Hashers()
+    hashers = _Hashers(defer=filling())
     writers = _WriterThreads(file, pool, config.writer_threads)
     try:
         staged_from = 0
@@ -387,6 +440,7 @@ def write_pieces(
             _direct(writers, p, head, middle_end - p.offset - head, config, hashers)
             staged_from = middle_end
         _staged(writers, index, staged_from, direct_end, config, pool, hashers)
+        hashers.catch_up()  # while the last requests are written
     except BaseException:
         writers.error = writers.error or CheckpointWriteError(f"writing {file.path} was interrupted")
         try:
@@ -432,6 +486,7 @@ def _staged(
             pool.release(buf)
             raise
         writers.submit(buf.view[:n], pos, buf)
+        hashers.catch_up(2 * n)
         pos += n
 
 
@@ -448,8 +503,9 @@ def _direct(
             raise writers.error
         n = min(config.chunk_bytes, nbytes - pos)
         view = memory_view(addr + skip + pos, n)  # waits for a snapshot still being copied (fills.py)
-        hashers.update(piece.tag, view)
+        hashers.note(piece.tag, view)
         writers.submit(view, piece.offset + skip + pos, None)
+        hashers.catch_up(2 * n)
         pos += n
 
 

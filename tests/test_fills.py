@@ -91,8 +91,8 @@ def test_hashing_waits_for_the_copy_and_the_digests_stay_exact(tmp_path, monkeyp
     big_at = 5 * MIB  # a page-aligned part of the arena, written straight from it
     pieces = [Piece(0, len(header), data=header, tag="header")]
     pieces += [Piece(off, nb, tag=f"small{k}", addr=arena.data_ptr() + off) for k, (off, nb) in enumerate(small)]
-    pieces.append(Piece(big_at, 4 * MIB, tag="big", addr=arena.data_ptr() + MIB))
-    size = big_at + 4 * MIB
+    pieces.append(Piece(big_at, 5 * MIB, tag="big", addr=arena.data_ptr() + MIB))  # to the arena's end
+    size = big_at + 5 * MIB
     fill = Fill(arena.data_ptr(), n)
     hashed_while_copying: list[str] = []
     real_now = writer._Hashers._now
@@ -127,7 +127,7 @@ def test_hashing_waits_for_the_copy_and_the_digests_stay_exact(tmp_path, monkeyp
         fill.close()
     assert "error" not in out, out
     assert hashed_while_copying == [], f"hashed while the copy ran: {hashed_while_copying}"
-    want = {"header": xxhash.xxh3_64_intdigest(header), "big": xxhash.xxh3_64_intdigest(source[MIB : 5 * MIB].numpy())}
+    want = {"header": xxhash.xxh3_64_intdigest(header), "big": xxhash.xxh3_64_intdigest(source[MIB:].numpy())}
     for k, (off, nb) in enumerate(small):
         want[f"small{k}"] = xxhash.xxh3_64_intdigest(source[off : off + nb].numpy())
     assert out["digests"] == want

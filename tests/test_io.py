@@ -84,6 +84,14 @@ def test_overlapping_pieces_are_refused(tmp_path, small_io):
         _write(str(tmp_path / "f"), [Piece(0, 10, data=b"x" * 10), Piece(5, 10, data=b"y" * 10)], small_io)
 
 
+def test_two_pieces_with_one_tag_are_refused(tmp_path, small_io):
+    """A tag names one piece's digest; a small piece is hashed in one call, so two pieces under
+    one tag would silently get the digest of only one of them."""
+    with pytest.raises(ValueError, match="same tag"):
+        _write(str(tmp_path / "f"), [Piece(0, 10, data=b"x" * 10, tag=1), Piece(64, 10, data=b"y" * 10, tag=1)],
+               small_io)
+
+
 def test_pool_memory_stays_bounded(tmp_path, small_io):
     """However much is written, the pool never holds more than num_buffers buffers."""
     pool = BufferPool(small_io.chunk_bytes, small_io.num_buffers, pin=False)

@@ -83,6 +83,9 @@ class _Pieces:
         for a, b in zip(self.pieces, self.pieces[1:]):
             if b.offset < a.end:
                 raise ValueError(f"pieces overlap at offsets {a.offset} and {b.offset}")
+        tags = [p.tag for p in self.pieces if p.tag is not None]
+        if len(set(tags)) != len(tags):
+            raise ValueError("two pieces have the same tag (a tag names one piece's digest)")
         self._ends = [p.end for p in self.pieces]
 
     def segments(self, start: int, end: int) -> Iterator[_Segment]:
@@ -118,6 +121,7 @@ class _Hashers:
 
     def __init__(self, defer: bool = False) -> None:
         self._h: dict[Hashable, xxhash.xxh3_64] = {}
+        self._whole: dict[Hashable, int] = {}  # pieces hashed in one call
         self._later: collections.deque[tuple[Hashable, memoryview]] | None = collections.deque() if defer else None
 
     @property
@@ -147,6 +151,15 @@ class _Hashers:
         else:
             self._now(tag, view)
 
+    def whole(self, tag: Hashable | None, staged: memoryview, addr: int) -> None:
+        """Hash a whole piece, copied into ``staged`` from the caller's memory at ``addr``."""
+        if tag is None:
+            return
+        if self._later is not None:
+            self._later.append((tag, memory_view(addr, len(staged))))
+        else:
+            self._whole[tag] = xxhash.xxh3_64_intdigest(staged)
+
     def catch_up(self, budget: int | None = None) -> None:
         """Hash up to ``budget`` noted bytes (every one if None), once no copy runs any more;
         with every noted byte hashed, hash at once from then on."""
@@ -164,8 +177,12 @@ class _Hashers:
     def digests(self, pieces: Sequence[Piece]) -> dict[Hashable, int]:
         self.catch_up()
         out = {}
+        whole = self._whole
         for p in pieces:
             if p.tag is not None:
+                if p.tag in whole:
+                    out[p.tag] = whole[p.tag]
+                    continue
                 h = self._h.get(p.tag)
                 out[p.tag] = h.intdigest() if h is not None else xxhash.xxh3_64_intdigest(b"")
         return out
@@ -217,6 +234,7 @@ class _WriterThreads:
         )
         self._count = count
         self._serving = count
+        self._joined = False
         self._done = threading.Condition(threading.Lock())
         _CREW.lease(self, count)
 
@@ -266,9 +284,11 @@ class _WriterThreads:
 
     def join(self) -> None:
         """Wait until every request has been written (or dropped after an error); raise the
-        first error."""
-        for _ in range(self._count):
-            self._q.put(None)
+        first error. Once joined, no request may be submitted; joining again only waits."""
+        if not self._joined:
+            self._joined = True
+            for _ in range(self._count):
+                self._q.put(None)
         with self._done:
             while self._serving:
                 self._done.wait()
@@ -440,7 +460,9 @@ def write_pieces(
             _direct(writers, p, head, middle_end - p.offset - head, config, hashers)
             staged_from = middle_end
         _staged(writers, index, staged_from, direct_end, config, pool, hashers)
-        hashers.catch_up()  # while the last requests are written
+        if hashers.deferring and filling():  # this file's bytes are copied, others are not yet:
+            writers.join()  # leave the CPU to the copy while the last requests are written
+        hashers.catch_up()  # while the last requests are written, if not done above
     except BaseException:
         writers.error = writers.error or CheckpointWriteError(f"writing {file.path} was interrupted")
         try:
@@ -475,10 +497,16 @@ def _staged(
             for k, seg in enumerate(index.segments(pos, pos + n)):
                 if k & 31 == 31:
                     time.sleep(0)  # many small pieces: let a waiting training thread have the GIL
-                dst = seg.piece.offset + seg.start - pos
+                piece = seg.piece
+                dst = piece.offset + seg.start - pos
                 if dst > filled:
                     ctypes.memset(buf.addr + filled, 0, dst - filled)
-                _fill(buf.addr, buf.view, seg, dst, hashers)
+                if piece.addr is not None and seg.nbytes == piece.nbytes <= _STEP:  # a whole small piece
+                    wait_filled(piece.addr, seg.nbytes)  # a snapshot still being copied (fills.py)
+                    ctypes.memmove(buf.addr + dst, piece.addr, seg.nbytes)
+                    hashers.whole(piece.tag, buf.view[dst : dst + seg.nbytes], piece.addr)
+                else:
+                    _fill(buf.addr, buf.view, seg, dst, hashers)
                 filled = dst + seg.nbytes
             if filled < n:
                 ctypes.memset(buf.addr + filled, 0, n - filled)

@@ -18,7 +18,7 @@ over the contender's, same round), then median [min-max] over rounds.
 * ``pipelined``: the same with ``snapshot_pipeline="on"``: the copy into the snapshot arena
   overlaps the writes (fastpersist.io.fills);
 * ``single``: ``fastpersist.save`` of the same state to one torch-loadable file;
-* with ``--before SRC``: ``snapshot@before``, the snapshot contender run from another source
+* with ``--before SRC``: ``snapshot@before`` and ``single@before``, those contenders run from another source
   tree (e.g. a checkout of a commit before a change).
 
 ``--loop`` measures the pipeline where it matters, in a training loop that saves every
@@ -185,7 +185,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the disk under test")
     p.add_argument("--settle", type=float, default=2.0, help="idle seconds before each measurement")
-    p.add_argument("--before", default=None, help="another source tree for a snapshot@before contender")
+    p.add_argument("--before", default=None, help="another source tree for snapshot@before and single@before contenders")
     p.add_argument("--loop", action="store_true", help="the training-loop scenario (see above)")
     p.add_argument("--compute", type=float, default=0.05, help="--loop: seconds of compute per iteration")
     p.add_argument("--iters", type=int, default=8, help="--loop: iterations (one save each)")
@@ -202,7 +202,7 @@ def main() -> None:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return
-    contenders = ["raw", "sync", "snapshot", "pipelined", "single"] + (["snapshot@before"] if a.before else [])
+    contenders = ["raw", "sync", "snapshot", "pipelined", "single"] + (["snapshot@before", "single@before"] if a.before else [])
     results: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
     try:
         for r in range(a.rounds):

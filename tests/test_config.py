@@ -11,10 +11,12 @@ def test_environment_overrides():
         "FASTPERSIST_CHUNK_MB": "8", "FASTPERSIST_BUFFERS": "3", "FASTPERSIST_WRITERS": "5",
         "FASTPERSIST_READERS": "6", "FASTPERSIST_READ_CHUNK_MB": "2", "FASTPERSIST_DIRECT": "OFF",
         "FASTPERSIST_VERIFY": "0", "FASTPERSIST_DRAIN_NICE": "17", "FASTPERSIST_PIPELINE": " On",
+        "FASTPERSIST_SINGLE_ZERO_COPY": "1",
     })
     assert (cfg.chunk_bytes, cfg.num_buffers, cfg.writer_threads) == (8 * MiB, 3, 5)
     assert (cfg.reader_threads, cfg.read_chunk_bytes, cfg.direct, cfg.verify) == (6, 2 * MiB, "off", False)
     assert cfg.pool_bytes == 24 * MiB and cfg.drain_nice == 17 and cfg.snapshot_pipeline == "on"
+    assert cfg.single_file_zero_copy and not IOConfig().single_file_zero_copy
 
 
 def test_defaults_bound_the_pool():

@@ -129,7 +129,11 @@ def _phase_state() -> dict:
     one at an odd address, small and empty ones, views and sharing."""
     g = torch.Generator().manual_seed(5)
     pad = [torch.empty(k * 64, dtype=torch.uint8) for k in range(1, 6)]  # move the allocator around
-    odd = torch.frombuffer(bytearray(b"\0" * (40_001 * 4 + 1))[1:], dtype=torch.uint8)  # 1 byte into a buffer
+    raw = bytearray(40_000 * 4 + 64)
+    base = torch.frombuffer(raw, dtype=torch.uint8).data_ptr()
+    skew = 1 if (base + 1) % 16 else 2  # an address 16 does not divide
+    odd = torch.frombuffer(memoryview(raw)[skew : skew + 40_000 * 4], dtype=torch.uint8)  # keeps raw alive
+    assert odd.untyped_storage().data_ptr() % 16
     odd[:] = 7
     obj = {"w": [torch.randn(64, 257, generator=g) for _ in range(6)], "odd": odd,
            "view": torch.randn(100_000, generator=g)[17:], "small": torch.arange(9), "empty": torch.empty(0, 3),
@@ -139,11 +143,18 @@ def _phase_state() -> dict:
     return obj
 
 
-def test_large_storages_start_at_their_memory_s_phase_and_torch_reads_them(tmp_path, small_io, monkeypatch):
-    """The layout contract (docs/FORMAT.md): a storage of zero_copy_min_bytes or more at a
-    64-byte aligned address starts where its file offset and address are equal modulo 4 KiB
-    (the writer sends its middle straight from memory), one at an odd address on a page, every
-    other record on 64 bytes. torch reads the file through all its readers."""
+@pytest.fixture
+def phased_io(small_io) -> IOConfig:
+    return IOConfig(**{**small_io.__dict__, "single_file_zero_copy": True})
+
+
+def test_large_storages_start_at_their_memory_s_phase_and_torch_reads_them(tmp_path, phased_io, monkeypatch):
+    """The layout contract (docs/FORMAT.md) with single_file_zero_copy: a storage of
+    zero_copy_min_bytes or more at a 16-byte aligned address starts where its file offset and
+    address are equal modulo 4 KiB (the writer sends its middle straight from memory), one at
+    an odd address on a page, every other record on 64 bytes. torch reads the file through all
+    its readers."""
+    small_io = phased_io
     obj = _phase_state()
     path = str(tmp_path / "p.pt")
     fp.save(obj, path, config=small_io)
@@ -155,17 +166,19 @@ def test_large_storages_start_at_their_memory_s_phase_and_torch_reads_them(tmp_p
         os.close(fd)
     assert {s.name: s.offset for s in layout.storages} == {n: r.offset for n, r in records.items()
                                                          if n.startswith("data/") and r.nbytes}
-    phases = set()
+    phases, odd = set(), 0
     for s in layout.storages:
         addr = s.storage.data_ptr()
-        if s.nbytes >= small_io.zero_copy_min_bytes and addr % 64 == 0:
+        if s.nbytes >= small_io.zero_copy_min_bytes and addr % 16 == 0:
             assert s.offset % 4096 == addr % 4096, s.name
             phases.add(addr % 4096)
         elif s.nbytes >= small_io.zero_copy_min_bytes:
             assert s.offset % 4096 == 0, f"{s.name}: a storage at an odd address starts on a page"
+            odd += 1
         else:
             assert s.offset % 64 == 0, s.name
     assert len(phases) > 1, f"the state should put large storages at several phases, got {phases}"
+    assert odd == 1, "the state holds one large storage at an address 16 does not divide"
     assert ".format_version" not in records and ".storage_alignment" not in records
     assert _equal(torch.load(path, weights_only=True), obj)
     assert _equal(torch.load(path, weights_only=True, mmap=True), obj)
@@ -211,23 +224,48 @@ def _staged_storage_bytes(monkeypatch) -> dict[str, int]:
     return staged
 
 
-def test_large_storages_are_written_from_their_memory(tmp_path, small_io, monkeypatch):
-    """Only the partial pages at a large storage's ends pass through the staging pool, at
-    whatever phase torch's allocator put it; small storages are staged whole."""
+def test_large_storages_are_written_from_their_memory(tmp_path, phased_io, monkeypatch):
+    """With single_file_zero_copy, only the partial pages at a large storage's ends pass
+    through the staging pool, at whatever phase torch's allocator put it; small storages are
+    staged whole."""
+    small_io = phased_io
     obj = _phase_state()
     staged = _staged_storage_bytes(monkeypatch)
     path = str(tmp_path / "z.pt")
     fp.save(obj, path, config=small_io)
     layout = torchzip.layout(obj, phase_from=small_io.zero_copy_min_bytes)
     for s in layout.storages:
-        if s.nbytes >= small_io.zero_copy_min_bytes and s.storage.data_ptr() % 64 == 0:
+        if s.nbytes >= small_io.zero_copy_min_bytes and s.storage.data_ptr() % 16 == 0:
             assert staged.get(s.name, 0) < 2 * 4096, f"{s.name}: {staged.get(s.name)} of {s.nbytes} bytes copied"
         else:
             assert staged.get(s.name, 0) == s.nbytes, s.name
     assert _equal(fp.load(path, config=small_io), obj)
 
 
-def test_a_loaded_storage_keeps_its_phase_so_saving_it_again_is_not_copied(tmp_path, small_io, monkeypatch):
+def test_by_default_large_storages_start_on_pages_and_are_staged(tmp_path, small_io, monkeypatch):
+    """Without single_file_zero_copy (the default: staged writes measured faster here), large
+    storages start on page boundaries and every byte goes through the pool."""
+    obj = _phase_state()
+    staged = _staged_storage_bytes(monkeypatch)
+    path = str(tmp_path / "d.pt")
+    fp.save(obj, path, config=small_io)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        records = torchzip.read_directory(path, fd, os.path.getsize(path))
+    finally:
+        os.close(fd)
+    layout = torchzip.layout(obj, phase_from=small_io.zero_copy_min_bytes, phased=False)
+    assert {s.name: s.offset for s in layout.storages} == {n: r.offset for n, r in records.items()
+                                                         if n.startswith("data/") and r.nbytes}
+    for s in layout.storages:
+        assert s.offset % (4096 if s.nbytes >= small_io.zero_copy_min_bytes else 64) == 0, s.name
+        assert staged.get(s.name, 0) == s.nbytes, s.name
+    assert _equal(torch.load(path, weights_only=True), obj)
+    assert _equal(fp.load(path, config=small_io), obj)
+
+
+def test_a_loaded_storage_keeps_its_phase_so_saving_it_again_is_not_copied(tmp_path, phased_io, monkeypatch):
+    small_io = phased_io
     path = str(tmp_path / "x.pt")
     fp.save({"w": torch.randn(100_000)}, path, config=small_io)
     loaded = fp.load(path, config=small_io)

@@ -10,6 +10,7 @@ environment variable that overrides it::
     FASTPERSIST_READ_CHUNK_MB size of one read request (MiB)
     FASTPERSIST_DIRECT        auto | on | off   (O_DIRECT; auto falls back to buffered I/O)
     FASTPERSIST_VERIFY        1 | 0             (verify checksums on load by default)
+    FASTPERSIST_SINGLE_ZERO_COPY 1 | 0          (fastpersist.save writes large tensors from their memory)
     FASTPERSIST_DRAIN_NICE    0..19             (the durable tier's drain thread's CPU niceness)
     FASTPERSIST_PIPELINE      auto | on | off   (a snapshot's copy pipelined with its writes)
     FASTPERSIST_SWITCH_US     microseconds      (the interpreter's switch interval during
@@ -61,6 +62,12 @@ class IOConfig:
     # A CPU storage whose memory is aligned for O_DIRECT is written straight from its memory,
     # without a copy through the pool, when it is at least this large.
     zero_copy_min_bytes: int = 1 * MiB
+    # fastpersist.save: place each storage of zero_copy_min_bytes or more at its memory's 4 KiB
+    # phase, so its middle is written from the tensor without a copy. Off by default: on the
+    # project's machine (virtio disk) writes from a model's tensors measured 6-7% slower than
+    # through the staging pool (docs/BENCHMARKS.md, "The single file at its memory's phase");
+    # the copy costs ~0.18 CPU s per GB. Where CPU or memory bandwidth is short, turn it on.
+    single_file_zero_copy: bool = False
     # The niceness of the durable tier's drain thread (Linux, per thread): its CPU share against
     # training's threads. 0 drains at training's priority; 19 only when the CPU is otherwise idle.
     drain_nice: int = 10
@@ -119,6 +126,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
         out["direct"] = env["FASTPERSIST_DIRECT"].strip().lower()
     if "FASTPERSIST_PIPELINE" in env:
         out["snapshot_pipeline"] = env["FASTPERSIST_PIPELINE"].strip().lower()
+    if "FASTPERSIST_SINGLE_ZERO_COPY" in env:
+        out["single_file_zero_copy"] = env["FASTPERSIST_SINGLE_ZERO_COPY"].strip().lower() not in ("0", "false", "no", "off")
     if "FASTPERSIST_VERIFY" in env:
         out["verify"] = env["FASTPERSIST_VERIFY"].strip().lower() not in ("0", "false", "no", "off")
     return out

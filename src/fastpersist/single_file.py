@@ -1,6 +1,7 @@
 """``fastpersist.save`` and ``fastpersist.load``: one torch.load-compatible file, fast.
 
-save: torch lays out the archive (:mod:`fastpersist.format.torchzip`), the write engine streams
+save: torch's serializer decides what the archive holds, fastpersist lays it out
+(:mod:`fastpersist.format.torchzip`, :mod:`fastpersist.format.zipwrite`), the write engine streams
 it to a temporary file with O_DIRECT, hashing every storage on the way; the checksum record and
 the zip directory go last; the file is fsync'd and renamed over the final name.
 
@@ -63,7 +64,7 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
     path = os.fspath(path)
     start = time.perf_counter()
     directory = check_directory(path)
-    layout = torchzip.layout(obj, phase_from=cfg.zero_copy_min_bytes)
+    layout = torchzip.layout(obj, phase_from=cfg.zero_copy_min_bytes, phased=cfg.single_file_zero_copy)
     temp = temp_path_for(path)
     try:
         file = io.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.direct, 0)

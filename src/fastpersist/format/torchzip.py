@@ -67,9 +67,9 @@ class StorageRecord:
 class Layout:
     """Everything needed to write one archive.
 
-    ``chunks`` are the bytes torch wrote (offset, bytes) before ``body_end``; ``tail`` is every
-    byte from ``body_end`` to the end of the file, with the checksum record still blank at
-    ``checksum_offset`` (relative to the file).
+    ``chunks`` are the archive's bytes (offset, bytes) before ``body_end``, storages aside;
+    ``tail`` is every byte from ``body_end`` to the end of the file, with the checksum record
+    still blank at ``checksum_offset`` (relative to the file).
     """
 
     chunks: list[tuple[int, bytes]]
@@ -159,13 +159,13 @@ def _trailing_records(have: set[str]) -> list[tuple[str, bytes]]:
     return out
 
 
-def layout(obj: object, pickle_protocol: int = 2, *, phase_from: int = 1 << 20) -> Layout:
+def layout(obj: object, pickle_protocol: int = 2, *, phase_from: int = 1 << 20, phased: bool = True) -> Layout:
     """Lay ``obj`` out as a torch zip archive.
 
-    A storage of ``phase_from`` bytes or more starts at its memory's 4 KiB phase if it is in
-    host memory at a 64-byte aligned address (torch's allocator's alignment, which a loaded
-    tensor keeps), on a page boundary otherwise; every other record starts on a 64-byte
-    boundary, as torch places them.
+    A storage of ``phase_from`` bytes (at least a page) or more starts, with ``phased``, at its
+    memory's 4 KiB phase if it is a host storage at a 16-byte aligned address (numpy's
+    alignment; a loaded tensor keeps it, and it suits every dtype), and on a page boundary
+    otherwise; every other record starts on a 64-byte boundary, as torch places them.
 
     Raises :class:`UnsaveableObjectError` when torch's serializer rejects the object.
     """
@@ -183,7 +183,7 @@ def layout(obj: object, pickle_protocol: int = 2, *, phase_from: int = 1 << 20) 
     pos = 0
     for name, data, nbytes in rec.records:
         if isinstance(data, torch.UntypedStorage):
-            p = zipwrite.place(zipwrite.Entry(name, nbytes, _phase(data, nbytes, phase_from)), pos)
+            p = zipwrite.place(zipwrite.Entry(name, nbytes, _phase(data, nbytes, phase_from, phased)), pos)
             if nbytes:
                 storages.append(StorageRecord(name, data, p.offset, nbytes))
         else:
@@ -213,13 +213,12 @@ def layout(obj: object, pickle_protocol: int = 2, *, phase_from: int = 1 << 20) 
     return Layout(chunks, storages, small_digests, body_end, tail, tail_placed[0].offset, names)
 
 
-def _phase(storage: torch.UntypedStorage, nbytes: int, phase_from: int) -> int | None:
-    if nbytes < max(phase_from, 1):
+def _phase(storage: torch.UntypedStorage, nbytes: int, phase_from: int, phased: bool) -> int | None:
+    if nbytes < max(phase_from, zipwrite.PAGE):  # smaller ones are staged whatever their offset
         return None
-    if storage.device.type != "cpu":
-        return 0
+    # torch's _save hands over host copies of device storages, so the address is a host one
     addr = int(storage.data_ptr())
-    return addr % zipwrite.PAGE if addr % zipwrite.RECORD_ALIGNMENT == 0 else 0
+    return addr % zipwrite.PAGE if phased and storage.device.type == "cpu" and addr % 16 == 0 else 0
 
 
 def _checksum_document(digests: dict[str, int]) -> bytes:

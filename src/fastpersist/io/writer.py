@@ -15,7 +15,8 @@ turns the list into write requests:
 Host memory that a snapshot is still copying into is read only once its bytes are there
 (:func:`fastpersist.io.fills.wait_filled`): the write of a snapshot starts with its copy.
 
-Pieces with a ``tag`` are hashed (xxh3-64) in file order while they pass through, and
+Pieces with a ``tag`` are hashed (xxh3-64) in file order while they pass through (while a
+snapshot copy runs, once it is over: :class:`_Hashers`), and
 :func:`write_pieces` returns the digests. Copies use ``ctypes.memmove`` and hashing uses xxhash,
 both of which release the GIL; the training thread keeps running while the writer works.
 """

@@ -5,9 +5,10 @@ reads the result) but lays the archive out itself and keeps the storage bytes fo
 engine. :func:`layout` runs ``torch.serialization._save`` against a recorder that keeps every
 record torch hands it (the pickle, the small records, each storage by reference: no storage
 byte is copied), then places the records with :mod:`fastpersist.format.zipwrite`, the archive
-miniz writes with the padding chosen per record: a large storage in host memory starts at its
-own 4 KiB phase, so the writer sends its page-aligned middle straight from the tensor
-(O_DIRECT, no copy); smaller records start on 64-byte boundaries, as torch places them.
+miniz writes with the padding chosen per record: a large storage starts on a page, or, with
+``IOConfig.single_file_zero_copy``, at its own memory's 4 KiB phase, so the writer sends its
+page-aligned middle straight from the tensor (O_DIRECT, no copy); smaller records start on
+64-byte boundaries, as torch places them.
 
 torch's ``.format_version`` record is not written: with it, torch's loader may compute a
 storage's offset from the previous record's end assuming its own fixed padding
@@ -133,6 +134,8 @@ class _Sink:
         return len(b)
 
     def seek(self, offset: int, whence: int = 0) -> int:
+        if whence not in (0, 1):
+            raise OSError("fastpersist's sink only seeks from the start or the current position")
         self.pos = offset if whence == 0 else self.pos + offset
         return self.pos
 
@@ -186,12 +189,13 @@ def layout(obj: object, pickle_protocol: int = 2, *, phase_from: int = 1 << 20, 
             p = zipwrite.place(zipwrite.Entry(name, nbytes, _phase(data, nbytes, phase_from, phased)), pos)
             if nbytes:
                 storages.append(StorageRecord(name, data, p.offset, nbytes))
+            chunks.append((p.header_offset, p.header))
         else:
             p = zipwrite.place(zipwrite.Entry(name, nbytes), pos)
             small_digests[name] = xxhash.xxh3_64_intdigest(data)
-        chunks.append((p.header_offset, p.header))
-        if not isinstance(data, torch.UntypedStorage) and nbytes:
-            chunks.append((p.offset, data))
+            chunks.append((p.header_offset, p.header))
+            if nbytes:
+                chunks.append((p.offset, data))
         if p.descriptor:
             chunks.append((p.offset + nbytes, p.descriptor))
         placed.append(p)

@@ -18,6 +18,9 @@ over the contender's, same round), then median [min-max] over rounds.
 * ``pipelined``: the same with ``snapshot_pipeline="on"``: the copy into the snapshot arena
   overlaps the writes (fastpersist.io.fills);
 * ``single``: ``fastpersist.save`` of the same state to one torch-loadable file;
+* with ``--cold``: ``snapshot+reserve`` and ``pipelined+reserve``, the same with
+  ``Checkpointer.reserve(state)`` called right after the Checkpointer is made, before the
+  settle time (what a job that reserves its snapshot memory before its first iterations pays);
 * with ``--before SRC``: ``snapshot@before`` and ``single@before``, those contenders run from another source
   tree (e.g. a checkout of a commit before a change).
 
@@ -114,10 +117,14 @@ def _one(contender: str, gib: float, directory: str, settle: float, compute: flo
     if contender.startswith("loop-"):
         return _loop(fp, state, target, contender[len("loop-"):], compute, iters, settle)
     mode = "sync" if contender == "sync" else "snapshot"
+    reserve = contender.endswith("+reserve")
+    contender = contender.removesuffix("+reserve")
     config = fp.IOConfig(snapshot_pipeline="on") if contender == "pipelined" else None  # else the defaults
     ck = fp.Checkpointer(target, mode=mode, keep=2, config=config)
     if not cold:
         ck.save(0, state).result()  # steady state: the arena and staging buffers exist, as in training
+    elif reserve:
+        ck.reserve(state)  # in the background, during the settle time (a job's first iterations)
     os.sync()
     time.sleep(settle)
     t0 = time.perf_counter()
@@ -202,7 +209,9 @@ def main() -> None:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return
-    contenders = ["raw", "sync", "snapshot", "pipelined", "single"] + (["snapshot@before", "single@before"] if a.before else [])
+    contenders = (["raw", "sync", "snapshot", "pipelined", "single"]
+                  + (["snapshot+reserve", "pipelined+reserve"] if a.cold else [])
+                  + (["snapshot@before", "single@before"] if a.before else []))
     results: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
     try:
         for r in range(a.rounds):

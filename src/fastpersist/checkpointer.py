@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,6 +235,49 @@ class Checkpointer(ReadMethods):
         """Host bytes the snapshot arena holds now (never more than ``snapshot_bytes``)."""
         return self._stager.arena.allocated
 
+    def reserve(self, state: Any = None, *, rank_state: Any = None, nbytes: int | None = None) -> Future[int]:
+        """Make the snapshot memory of the coming saves ready now, in the background.
+
+        A background save copies the state into host memory that the Checkpointer keeps from
+        save to save; the first save that needs it pays for the memory's first touch, several
+        times the copy itself (docs/BENCHMARKS.md, "The first save"). Call this once the state
+        has its full size (after the first optimizer step: most optimizers make their state
+        then) and the memory is faulted in on a thread of this rank while training goes on.
+        A save that comes before the reservation is done waits for the rest of it.
+
+        Args:
+            state, rank_state: what the coming saves will pass to :meth:`save`; sized as
+                :meth:`save` would copy it (in ``overlap`` mode without the protected
+                optimizers' tensors, which are written from live memory).
+            nbytes: or the size in bytes, instead of ``state``.
+
+        Returns:
+            A future of the bytes of snapshot memory ready; 0 in ``sync`` mode and when the
+            copies would exceed ``snapshot_bytes`` (those saves are written from live memory).
+
+        Raises:
+            TypeError, ValueError: both or neither of ``state`` and ``nbytes``, or a wrong ``nbytes``.
+            CheckpointerClosedError: after :meth:`close`.
+        """
+        if self._closed:
+            raise CheckpointerClosedError("reserve() after close(): this Checkpointer takes no more saves")
+        if (state is None) == (nbytes is None):
+            raise TypeError("reserve() takes the state the coming saves will pass, or nbytes, not both")
+        if nbytes is not None:
+            _positive_int("nbytes", nbytes, minimum=0)
+        else:
+            saveable, own, shards = _saveable(state, rank_state)
+            live = self._guard.storages() if self.mode == "overlap" else set()
+            nbytes = self._stager.need(saveable, own, [sh.tensor for sh in shards], live)
+        if self.mode == "sync" or not self._stager.arena.fits(nbytes):
+            if self.mode != "sync":
+                logger.info("reserve(): %.1f MiB of snapshot memory exceeds snapshot_bytes (%.1f MiB): saves of this "
+                            "size are written from live memory", nbytes / 2**20, self._stager.arena.budget / 2**20)
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        return self._stager.arena.reserve(nbytes)
+
     def protect(self, optimizer: torch.optim.Optimizer) -> None:
         """Write ``optimizer``'s parameters and state from live memory (overlap mode).
 
@@ -350,6 +394,7 @@ class Checkpointer(ReadMethods):
             self.wait()
         finally:
             self._driver.stop()
+            self._stager.arena.join()
             self._guard.remove()
             _close_all(self._drainer.close if self._drainer is not None else None, self._coordinator.close,
                        self._close_comm)
@@ -370,6 +415,12 @@ class Checkpointer(ReadMethods):
 def _new_job(step: int, state: Any, rank_state: Any, meta: Mapping[str, Any] | None, completion: Completion,
              t0: float) -> SaveJob:
     """A save's job: the state made saveable, its DTensors taken out (their shards)."""
+    saveable, own, shards = _saveable(state, rank_state)
+    return SaveJob(step, saveable, own, meta, completion, t0, shards)
+
+
+def _saveable(state: Any, rank_state: Any) -> tuple[Any, Any, list[dtensor.LocalShard]]:
+    """(state, rank_state) made saveable, and the state's DTensors' local shards."""
     saveable = to_saveable(state)
     own = to_saveable(rank_state) if rank_state is not None else None
     shards: list[dtensor.LocalShard] = []
@@ -378,7 +429,7 @@ def _new_job(step: int, state: Any, rank_state: Any, meta: Mapping[str, Any] | N
     if own is not None and dtensor.holds_dtensors(own):
         raise ValueError("rank_state holds DTensors: pass sharded state (DTensors) in `state`; fastpersist "
                          "writes each rank's shards and reshards them at load")
-    return SaveJob(step, saveable, own, meta, completion, t0, shards)
+    return saveable, own, shards
 
 
 @dataclass(frozen=True)

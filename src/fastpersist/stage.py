@@ -20,12 +20,14 @@ own side stream, without queueing behind training's newer work.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,9 +36,9 @@ from fastpersist import _torch, dtensor
 from fastpersist.errors import CheckpointError
 from fastpersist.format import manifest as mf
 from fastpersist.format import skeleton, torchzip
-from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, ready_events
+from fastpersist.io.buffers import ALIGN, align_up, aligned_empty, fault_in, ready_events
 from fastpersist.io.fills import Fill
-from fastpersist.objects.write import prepare
+from fastpersist.objects.write import Prepared, prepare
 
 if TYPE_CHECKING:
     from fastpersist.job import SaveJob
@@ -50,7 +52,8 @@ class Arena:
     """Up to ``budget`` bytes of host memory for snapshots, reused save after save.
 
     One snapshot holds the arena from :meth:`take` until :meth:`give_back`; a second snapshot
-    waits. Host memory for snapshots therefore never exceeds the budget.
+    waits. Host memory for snapshots therefore never exceeds the budget. :meth:`reserve` makes
+    the memory ready ahead of the first save that needs it.
     """
 
     def __init__(self, budget: int) -> None:
@@ -58,8 +61,10 @@ class Arena:
             raise CheckpointError(f"the snapshot budget cannot be negative, got {budget}")
         self.budget = budget
         self._buffer: torch.Tensor | None = None
-        self._free = threading.Event()
-        self._free.set()
+        self._cond = threading.Condition(threading.Lock())
+        self._busy = False
+        self._waiting: collections.deque[object] = collections.deque()  # claims in order of arrival
+        self._reserving: threading.Thread | None = None
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.budget
@@ -71,25 +76,101 @@ class Arena:
         """
         if not self.fits(nbytes):
             raise CheckpointError(f"a snapshot of {nbytes} bytes exceeds the arena's budget of {self.budget}")
-        if not self._free.wait(timeout):
-            raise TimeoutError("the snapshot arena is still in use")
-        self._free.clear()
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = None  # free the smaller one first
-            self._buffer = aligned_empty(align_up(nbytes))
-        return self._buffer
+        self._claim(timeout)
+        try:
+            return self._grow(nbytes, touch=False)  # the copy faults the pages in as it goes
+        except BaseException:
+            self.give_back()
+            raise
+
+    def reserve(self, nbytes: int) -> Future[int]:
+        """Grow the arena to ``nbytes`` and fault its pages in, on a thread of its own; the
+        future gives the arena's size once it is ready.
+
+        The first touch of fresh memory is what makes a job's first snapshot slow (this
+        machine: about 2 s per GiB against 0.1 s for a copy into memory touched before,
+        docs/BENCHMARKS.md); reserved ahead, the first save copies into ready memory. The
+        reservation holds the arena while it works, so a save that comes before it is done
+        waits for the rest of it, never for more than it would have paid itself.
+        """
+        if not self.fits(nbytes):
+            raise CheckpointError(f"a reservation of {nbytes} bytes exceeds the arena's budget of {self.budget}")
+        done: Future[int] = Future()
+        nbytes = align_up(nbytes)
+        if nbytes <= self.allocated:
+            done.set_result(self.allocated)
+            return done
+        turn = object()
+        with self._cond:  # in line now: a save that follows waits for the reservation
+            self._waiting.append(turn)
+
+        def run() -> None:
+            try:
+                self._claim(None, turn)
+                try:
+                    self._grow(nbytes, touch=True)
+                finally:
+                    self.give_back()
+                done.set_result(self.allocated)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                done.set_exception(e)
+
+        thread = threading.Thread(target=run, name="fastpersist-reserve", daemon=True)
+        self._reserving = thread
+        thread.start()
+        return done
+
+    def join(self) -> None:
+        """Wait for a reservation under way (close(): no thread of fastpersist outlives it)."""
+        thread = self._reserving
+        if thread is not None:
+            thread.join()
+
+    def _claim(self, timeout: float | None, turn: object | None = None) -> None:
+        """Hold the arena, after every claim that came before (``turn``: a place in line taken
+        earlier)."""
+        with self._cond:
+            if turn is None:
+                turn = object()
+                self._waiting.append(turn)
+            try:
+                if not self._cond.wait_for(lambda: not self._busy and self._waiting[0] is turn, timeout):
+                    raise TimeoutError("the snapshot arena is still in use")
+            except BaseException:
+                self._waiting.remove(turn)
+                self._cond.notify_all()
+                raise
+            self._waiting.popleft()
+            self._busy = True
+
+    def _grow(self, nbytes: int, touch: bool) -> torch.Tensor:
+        """The buffer, grown to at least ``nbytes`` if smaller (the caller holds the arena);
+        with ``touch``, its pages are faulted in now. Inside save() they are not: there the
+        copy faulting each page as it lands measured faster (1.2-1.4 s for a cold GiB) than
+        faulting them all first and copying after (2.0-3.5 s)."""
+        if self._buffer is not None and self._buffer.numel() >= nbytes:
+            return self._buffer
+        self._buffer = None  # free the smaller one first
+        buffer = aligned_empty(align_up(nbytes))
+        if touch:
+            fault_in(buffer.data_ptr(), buffer.numel())
+        self._buffer = buffer
+        return buffer
 
     def give_back(self) -> None:
-        self._free.set()
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
 
     @property
     def busy(self) -> bool:
-        """An earlier snapshot still holds the arena (its writes are not done)."""
-        return not self._free.is_set()
+        """An earlier snapshot (or a reservation) still holds the arena."""
+        return self._busy
 
     @property
     def allocated(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
+        buffer = self._buffer
+        return 0 if buffer is None else buffer.numel()
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:
@@ -344,17 +425,8 @@ class Stager:
     def stage(self, job: SaveJob, live: set[int], pipeline: str = "off") -> bool:
         """Snapshot the job (``pipeline``: IOConfig.snapshot_pipeline, the copies deferred to
         :meth:`copy` so that they overlap the job's writes)."""
-        objs = [job.state] + ([job.rank_state] if job.rank_state is not None else [])
-        scans = [scan(o) for o in objs]
         local = [sh.tensor for sh in job.shards]
-        shard_storages = scan(local)[1]
-        if not all(is_plain for is_plain, _ in scans):
-            rep = prepare(mf.REPLICATED, job.state)
-            own = prepare(mf.rank_object(self.rank), job.rank_state) if job.rank_state is not None else None
-            job.prepared = (rep, own)
-            storages = rep.storages + (own.storages if own else []) + shard_storages
-        else:
-            storages = [s for _, found in scans for s in found] + shard_storages
+        storages, job.prepared = self._storages(job.state, job.rank_state, local)
         need = copy_bytes(storages, live)
         if not self.arena.fits(need):
             logger.info("checkpoint step %d needs %.1f MiB of snapshot memory, over the budget of %.1f MiB: "
@@ -395,6 +467,23 @@ class Stager:
         job.live = bool(live)
         job.metrics.bytes_copied = cap.copied
         return True
+
+    def need(self, state: Any, rank_state: Any, local: list[torch.Tensor], live: set[int]) -> int:
+        """The arena bytes a save of this (saveable) state would copy (:meth:`stage`)."""
+        return copy_bytes(self._storages(state, rank_state, local)[0], live)
+
+    def _storages(self, state: Any, rank_state: Any, local: list[torch.Tensor]
+                  ) -> tuple[list[torch.UntypedStorage], tuple[Prepared, Prepared | None] | None]:
+        """The storages a save copies, and the prepared objects where the state is not plain
+        (pickled at once: only their storages are captured)."""
+        objs = [state] + ([rank_state] if rank_state is not None else [])
+        scans = [scan(o) for o in objs]
+        shard_storages = scan(local)[1]
+        if all(is_plain for is_plain, _ in scans):
+            return [s for _, found in scans for s in found] + shard_storages, None
+        rep = prepare(mf.REPLICATED, state)
+        own = prepare(mf.rank_object(self.rank), rank_state) if rank_state is not None else None
+        return rep.storages + (own.storages if own else []) + shard_storages, (rep, own)
 
     def copy(self, job: SaveJob) -> None:
         """Make a staged job's deferred copies (``save()``, once the job is queued: its writer

@@ -71,6 +71,20 @@ def populate(addr: int, nbytes: int) -> bool:
     return _libc.madvise(start, addr + nbytes - start, _MADV_POPULATE_WRITE) == 0
 
 
+_FAULT_STEP = 64 << 20
+
+
+def fault_in(addr: int, nbytes: int) -> None:
+    """Fault in every page of fresh memory now (in the kernel where it can, else by writing
+    zeros), in steps that each release the GIL: memory touched for the first time costs
+    several times a copy into it (docs/DESIGN.md, "Measuring"), so whoever can pay it ahead
+    of time, off the path that waits, does."""
+    for start in range(0, nbytes, _FAULT_STEP):
+        n = min(_FAULT_STEP, nbytes - start)
+        if not populate(addr + start, n):
+            ctypes.memset(addr + start, 0, n)
+
+
 def _cuda_present() -> bool:
     return torch.cuda.is_available()
 

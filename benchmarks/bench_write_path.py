@@ -18,9 +18,9 @@ over the contender's, same round), then median [min-max] over rounds.
 * ``pipelined``: the same with ``snapshot_pipeline="on"``: the copy into the snapshot arena
   overlaps the writes (fastpersist.io.fills);
 * ``single``: ``fastpersist.save`` of the same state to one torch-loadable file;
-* with ``--cold``: ``snapshot+reserve`` and ``pipelined+reserve``, the same with
-  ``Checkpointer.reserve(state)`` called right after the Checkpointer is made, before the
-  settle time (what a job that reserves its snapshot memory before its first iterations pays);
+* with ``--cold``: ``sync+reserve``, ``snapshot+reserve`` and ``pipelined+reserve``, the same
+  with ``Checkpointer.reserve(state)`` called right after the Checkpointer is made, before the
+  settle time (what a job that reserves its memory during its first iterations pays);
 * with ``--before SRC``: ``snapshot@before`` and ``single@before``, those contenders run from another source
   tree (e.g. a checkout of a commit before a change).
 
@@ -116,9 +116,9 @@ def _one(contender: str, gib: float, directory: str, settle: float, compute: flo
         return {"s": time.perf_counter() - t0, "bytes": nbytes}
     if contender.startswith("loop-"):
         return _loop(fp, state, target, contender[len("loop-"):], compute, iters, settle)
-    mode = "sync" if contender == "sync" else "snapshot"
     reserve = contender.endswith("+reserve")
     contender = contender.removesuffix("+reserve")
+    mode = "sync" if contender == "sync" else "snapshot"
     config = fp.IOConfig(snapshot_pipeline="on") if contender == "pipelined" else None  # else the defaults
     ck = fp.Checkpointer(target, mode=mode, keep=2, config=config)
     if not cold:
@@ -171,6 +171,8 @@ def _spread(xs: list[float], fmt: str = ".2f") -> str:
 
 def _main_loop(a: argparse.Namespace, directory: str) -> None:
     contenders = ["loop-off", "loop-on", "loop-auto"]
+    if a.only:
+        contenders = ["raw"] + [c for c in contenders if c != "raw" and c in a.only.split(",")]
     results: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
     for r in range(a.rounds):
         for c in contenders[r % 3:] + contenders[: r % 3]:
@@ -197,6 +199,7 @@ def main() -> None:
     p.add_argument("--compute", type=float, default=0.05, help="--loop: seconds of compute per iteration")
     p.add_argument("--iters", type=int, default=8, help="--loop: iterations (one save each)")
     p.add_argument("--cold", action="store_true", help="time each process's first save (no untimed save before)")
+    p.add_argument("--only", default="", help="comma-separated contenders (raw is always measured)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
@@ -210,8 +213,10 @@ def main() -> None:
             shutil.rmtree(directory, ignore_errors=True)
         return
     contenders = (["raw", "sync", "snapshot", "pipelined", "single"]
-                  + (["snapshot+reserve", "pipelined+reserve"] if a.cold else [])
+                  + (["sync+reserve", "snapshot+reserve", "pipelined+reserve"] if a.cold else [])
                   + (["snapshot@before", "single@before"] if a.before else []))
+    if a.only:
+        contenders = ["raw"] + [c for c in contenders if c != "raw" and c in a.only.split(",")]
     results: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
     try:
         for r in range(a.rounds):

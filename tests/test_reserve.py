@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -11,7 +12,7 @@ from helpers import assert_state_equal, blocked, states_equal, wait_until
 
 import fastpersist as fp
 from fastpersist.errors import CheckpointerClosedError
-from fastpersist.io.buffers import align_up
+from fastpersist.io.buffers import align_up, shared_pool
 from fastpersist.stage import Arena
 
 MiB = 1 << 20
@@ -140,6 +141,31 @@ def test_a_reservation_waits_for_the_arena_and_a_save_waits_for_the_reservation(
     assert got and got[0].numel() == 8 * MiB  # the reservation's memory, not a new one
     arena.give_back()
     arena.join()
+
+
+@pytest.mark.parametrize("mode", ["sync", "snapshot"])
+def test_reserve_makes_the_staging_buffers_ready_in_every_mode(tmp_path, mode):
+    """The first write of a process allocates its staging buffers: reserve() makes every
+    buffer of every root's pool ahead of it, in sync mode too (where there is no arena)."""
+    count = 3 if mode == "sync" else 5  # pools of their own (a pool is process-wide, by size and count)
+    cfg = fp.IOConfig(chunk_bytes=68 * 1024, num_buffers=count)
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    ck = fp.Checkpointer(roots, mode=mode, config=cfg)
+    lane = dataclasses.replace(cfg, chunk_bytes=MiB)  # two roots: two lanes of chunk_bytes / 2, at least 1 MiB
+    pools = [shared_pool(lane.chunk_bytes, cfg.num_buffers, k) for k in range(2)]
+    assert [p.created for p in pools] == [0, 0]
+    ck.reserve(_state(1, 1)).result(timeout=60)
+    assert [p.created for p in pools] == [count, count]
+    ck.save(1, _state(1, 1)).result()
+    assert [p.created for p in pools] == [count, count]
+    ck.close()
+    # control: these are the pools a save writes through (without a reservation it makes them)
+    cfg = dataclasses.replace(cfg, num_buffers=count + 1)
+    plain = fp.Checkpointer([str(tmp_path / "c"), str(tmp_path / "d")], mode=mode, config=cfg)
+    pools = [shared_pool(lane.chunk_bytes, cfg.num_buffers, k) for k in range(2)]
+    plain.save(1, _state(1, 1)).result()
+    assert all(p.created > 0 for p in pools)
+    plain.close()
 
 
 def test_close_leaves_no_reservation_thread(tmp_path, small_io):

@@ -47,7 +47,9 @@ from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
 from fastpersist.incremental import Incremental, block_size
 from fastpersist.io.backend import FileBackend
+from fastpersist.io.buffers import shared_pool
 from fastpersist.job import SaveJob
+from fastpersist.objects.write import lane_config
 from fastpersist.nodes import Nodes, check_redundancy, node_id
 from fastpersist.protocol import SaveProtocol
 from fastpersist.publish import check_directory_save, publish_everywhere
@@ -243,7 +245,8 @@ class Checkpointer(ReadMethods):
         times the copy itself (docs/BENCHMARKS.md, "The first save"). Call this once the state
         has its full size (after the first optimizer step: most optimizers make their state
         then) and the memory is faulted in on a thread of this rank while training goes on.
-        A save that comes before the reservation is done waits for the rest of it.
+        A save that comes before the reservation is done waits for the rest of it. The staging
+        buffers every write goes through are made ready the same way (in ``sync`` mode too).
 
         Args:
             state, rank_state: what the coming saves will pass to :meth:`save`; sized as
@@ -254,6 +257,7 @@ class Checkpointer(ReadMethods):
         Returns:
             A future of the bytes of snapshot memory ready; 0 in ``sync`` mode and when the
             copies would exceed ``snapshot_bytes`` (those saves are written from live memory).
+            The staging buffers every save writes through are made ready too, in every mode.
 
         Raises:
             TypeError, ValueError: both or neither of ``state`` and ``nbytes``, or a wrong ``nbytes``.
@@ -265,6 +269,8 @@ class Checkpointer(ReadMethods):
             raise TypeError("reserve() takes the state the coming saves will pass, or nbytes, not both")
         if nbytes is not None:
             _positive_int("nbytes", nbytes, minimum=0)
+        elif self.mode == "sync":
+            nbytes = 0  # nothing is copied
         else:
             saveable, own, shards = _saveable(state, rank_state)
             live = self._guard.storages() if self.mode == "overlap" else set()
@@ -273,10 +279,16 @@ class Checkpointer(ReadMethods):
             if self.mode != "sync":
                 logger.info("reserve(): %.1f MiB of snapshot memory exceeds snapshot_bytes (%.1f MiB): saves of this "
                             "size are written from live memory", nbytes / 2**20, self._stager.arena.budget / 2**20)
-            done: Future[int] = Future()
-            done.set_result(0)
-            return done
-        return self._stager.arena.reserve(nbytes)
+            nbytes = 0
+        return self._stager.arena.reserve(nbytes, then=self._prepare_staging)
+
+    def _prepare_staging(self) -> None:
+        """Make the staging buffers of this rank's writes ready (one pool per root written at
+        once, objects/write.lane_config)."""
+        lanes = len(self.roots)
+        cfg = lane_config(self.config, lanes)
+        for lane in range(lanes):
+            shared_pool(cfg.chunk_bytes, cfg.num_buffers, lane).prepare()
 
     def protect(self, optimizer: torch.optim.Optimizer) -> None:
         """Write ``optimizer``'s parameters and state from live memory (overlap mode).

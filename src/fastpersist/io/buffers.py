@@ -240,6 +240,18 @@ class BufferPool:
     def release(self, buf: StagingBuffer) -> None:
         self._free.put(buf)
 
+    def prepare(self) -> None:
+        """Allocate every buffer not made yet, its pages faulted in, ahead of the first write
+        that needs it (a write waiting for a buffer gets each one as soon as it is ready)."""
+        while True:
+            with self._lock:
+                if self._created >= self.count:
+                    return
+                self._created += 1
+            buf = StagingBuffer(self.nbytes, self._pin)
+            fault_in(buf.addr, buf.nbytes)
+            self._free.put(buf)
+
     @property
     def created(self) -> int:
         """How many buffers the pool has allocated so far (at most ``count``)."""

@@ -173,3 +173,33 @@ def test_close_leaves_no_reservation_thread(tmp_path, small_io):
     ck.reserve(nbytes=32 * MiB)
     ck.close()
     assert not [t for t in threading.enumerate() if t.name == "fastpersist-reserve"]
+
+
+def test_a_reservation_holding_the_arena_is_not_a_save_in_flight():
+    """``snapshot_pipeline="auto"`` pipelines a save when an earlier snapshot still holds the
+    arena (saves come faster than the disk takes them); a reservation holding it is not that,
+    and a save taken during it waits, then gets the reserved memory."""
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldArena(Arena):
+        def _grow(self, nbytes: int, touch: bool) -> torch.Tensor:
+            if touch:  # the reservation's own growth
+                entered.set()
+                release.wait(60)
+            return super()._grow(nbytes, touch)
+
+    arena = HeldArena(16 * MiB)
+    reserved = arena.reserve(4 * MiB)
+    assert entered.wait(60)
+    assert not arena.busy
+    got: list[torch.Tensor] = []
+    taker = threading.Thread(target=lambda: got.append(arena.take(MiB)))
+    taker.start()
+    wait_until(lambda: blocked(taker))
+    release.set()
+    assert reserved.result(timeout=60) == 4 * MiB
+    taker.join(timeout=60)
+    assert got and got[0].numel() == 4 * MiB
+    assert arena.busy  # now a snapshot holds it
+    arena.give_back()
+    arena.join()

@@ -64,7 +64,8 @@ class Arena:
         self._cond = threading.Condition(threading.Lock())
         self._busy = False
         self._waiting: collections.deque[object] = collections.deque()  # claims in order of arrival
-        self._reserving: threading.Thread | None = None
+        self._held_by_reservation = False
+        self._reservations: list[threading.Thread] = []
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.budget
@@ -111,6 +112,7 @@ class Arena:
             try:
                 if grow:
                     self._claim(None, turn)
+                    self._held_by_reservation = True
                     try:
                         self._grow(nbytes, touch=True)
                     finally:
@@ -122,14 +124,13 @@ class Arena:
                 done.set_exception(e)
 
         thread = threading.Thread(target=run, name="fastpersist-reserve", daemon=True)
-        self._reserving = thread
+        self._reservations = [t for t in self._reservations if t.is_alive()] + [thread]
         thread.start()
         return done
 
     def join(self) -> None:
-        """Wait for a reservation under way (close(): no thread of fastpersist outlives it)."""
-        thread = self._reserving
-        if thread is not None:
+        """Wait for the reservations under way (close(): no thread of fastpersist outlives it)."""
+        for thread in list(self._reservations):
             thread.join()
 
     def _claim(self, timeout: float | None, turn: object | None = None) -> None:
@@ -165,13 +166,15 @@ class Arena:
 
     def give_back(self) -> None:
         with self._cond:
-            self._busy = False
+            self._busy = self._held_by_reservation = False
             self._cond.notify_all()
 
     @property
     def busy(self) -> bool:
-        """An earlier snapshot (or a reservation) still holds the arena."""
-        return self._busy
+        """An earlier snapshot still holds the arena (its writes are not done); a reservation
+        holding it does not count (``snapshot_pipeline="auto"`` reads this as saves coming
+        faster than the disk takes them)."""
+        return self._busy and not self._held_by_reservation
 
     @property
     def allocated(self) -> int:

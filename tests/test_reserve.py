@@ -203,3 +203,59 @@ def test_a_reservation_holding_the_arena_is_not_a_save_in_flight():
     assert arena.busy  # now a snapshot holds it
     arena.give_back()
     arena.join()
+
+
+def test_close_waits_for_every_reservation_under_way(tmp_path, small_io):
+    """Guards against joining only the newest reservation: a second, smaller one finished
+    first while the first still faulted memory in after close()."""
+    ck = fp.Checkpointer(str(tmp_path), config=small_io)
+    first = ck.reserve(nbytes=64 * MiB)
+    ck.reserve(nbytes=0)
+    ck.close()
+    assert first.done()
+    assert not [t for t in threading.enumerate() if t.name == "fastpersist-reserve"]
+
+
+def test_a_failed_reservation_is_logged_and_the_arena_stays_usable(caplog):
+    def fail() -> None:
+        raise MemoryError("no memory for the staging buffers")
+
+    arena = Arena(16 * MiB)
+    with caplog.at_level(logging.WARNING, logger="fastpersist.stage"):
+        reserved = arena.reserve(2 * MiB, then=fail)
+        with pytest.raises(MemoryError, match="staging buffers"):
+            reserved.result(timeout=60)
+        arena.join()
+    assert "reserving 2097152 bytes of snapshot memory failed (MemoryError" in caplog.text
+    assert not arena.busy
+    assert arena.take(3 * MiB, timeout=10).numel() == 3 * MiB
+    arena.give_back()
+
+
+def test_a_reservation_whose_thread_cannot_start_leaves_the_line(monkeypatch):
+    """Guards against a turn left in line by a reservation that never ran: every later claim
+    would wait for it forever (every save, and close())."""
+    arena = Arena(16 * MiB)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            arena.reserve(2 * MiB)
+    assert arena.take(MiB, timeout=10).numel() == MiB
+    arena.give_back()
+
+
+def test_a_claim_that_times_out_behind_a_reservation_leaves_the_line():
+    arena = Arena(16 * MiB)
+    arena.take(MiB)  # a snapshot holds the arena
+    reserved = arena.reserve(4 * MiB)  # in line behind it
+    with pytest.raises(TimeoutError, match="still in use"):
+        arena.take(MiB, timeout=0.2)
+    arena.give_back()
+    assert reserved.result(timeout=60) == 4 * MiB
+    assert arena.take(MiB, timeout=10).numel() == 4 * MiB
+    arena.give_back()
+    arena.join()

@@ -245,8 +245,13 @@ class Checkpointer(ReadMethods):
         times the copy itself (docs/BENCHMARKS.md, "The first save"). Call this once the state
         has its full size (after the first optimizer step: most optimizers make their state
         then) and the memory is faulted in on a thread of this rank while training goes on.
-        A save that comes before the reservation is done waits for the rest of it. The staging
-        buffers every write goes through are made ready the same way (in ``sync`` mode too).
+        A save that comes before the reservation is done waits for the rest of it (with
+        ``when_busy="skip"`` too). The staging buffers this rank writes through are made ready
+        the same way (in ``sync`` mode too): one pool per root, the pools of a rank that writes
+        a file on every root. The state is sized here, on the calling thread (its
+        ``state_dict()`` calls, and a pickle of a state that is not plain containers and
+        tensors); only the memory is made ready in the background. A reservation that fails is
+        logged, and its future raises.
 
         Args:
             state, rank_state: what the coming saves will pass to :meth:`save`; sized as

@@ -90,10 +90,12 @@ class Arena:
         both are done.
 
         The first touch of fresh memory is what makes a job's first snapshot slow (this
-        machine: about 2 s per GiB against 0.1 s for a copy into memory touched before,
-        docs/BENCHMARKS.md); reserved ahead, the first save copies into ready memory. The
-        reservation holds the arena while it works, so a save that comes before it is done
-        waits for the rest of it, never for more than it would have paid itself.
+        machine: 1.7-3 s per GiB against 0.1 s for a copy into memory touched before,
+        docs/BENCHMARKS.md "The first save"); reserved ahead, the first save copies into ready
+        memory. The reservation takes its place in line at once and holds the arena while it
+        works, so a save that comes before it is done waits for the rest of it (at most the
+        first touch of the reserved size). A reservation that fails is logged; the arena is
+        then grown by the next save that needs it, as without one.
         """
         if not self.fits(nbytes):
             raise CheckpointError(f"a reservation of {nbytes} bytes exceeds the arena's budget of {self.budget}")
@@ -111,8 +113,7 @@ class Arena:
         def run() -> None:
             try:
                 if grow:
-                    self._claim(None, turn)
-                    self._held_by_reservation = True
+                    self._claim(None, turn, reservation=True)
                     try:
                         self._grow(nbytes, touch=True)
                     finally:
@@ -120,12 +121,21 @@ class Arena:
                 if then is not None:
                     then()
                 done.set_result(self.allocated)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future, and logged
+                logger.warning("reserving %d bytes of snapshot memory failed (%s: %s): the next save grows the "
+                               "arena itself", nbytes, type(e).__name__, e)
                 done.set_exception(e)
 
         thread = threading.Thread(target=run, name="fastpersist-reserve", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            with self._cond:  # leave the line, or every later claim would wait for this turn
+                if turn in self._waiting:
+                    self._waiting.remove(turn)
+                self._cond.notify_all()
+            raise
         self._reservations = [t for t in self._reservations if t.is_alive()] + [thread]
-        thread.start()
         return done
 
     def join(self) -> None:
@@ -133,9 +143,9 @@ class Arena:
         for thread in list(self._reservations):
             thread.join()
 
-    def _claim(self, timeout: float | None, turn: object | None = None) -> None:
+    def _claim(self, timeout: float | None, turn: object | None = None, reservation: bool = False) -> None:
         """Hold the arena, after every claim that came before (``turn``: a place in line taken
-        earlier)."""
+        earlier; ``reservation``: held by a reservation, not a snapshot)."""
         with self._cond:
             if turn is None:
                 turn = object()
@@ -149,6 +159,7 @@ class Arena:
                 raise
             self._waiting.popleft()
             self._busy = True
+            self._held_by_reservation = reservation
 
     def _grow(self, nbytes: int, touch: bool) -> torch.Tensor:
         """The buffer, grown to at least ``nbytes`` if smaller (the caller holds the arena);

@@ -77,8 +77,8 @@ _FAULT_STEP = 64 << 20
 def fault_in(addr: int, nbytes: int) -> None:
     """Fault in every page of fresh memory now (in the kernel where it can, else by writing
     zeros), in steps that each release the GIL: memory touched for the first time costs
-    several times a copy into it (docs/DESIGN.md, "Measuring"), so whoever can pay it ahead
-    of time, off the path that waits, does."""
+    many times a copy into it (docs/BENCHMARKS.md, "The first save"), so whoever can pay it
+    ahead of time, off the path that waits, does."""
     for start in range(0, nbytes, _FAULT_STEP):
         n = min(_FAULT_STEP, nbytes - start)
         if not populate(addr + start, n):
@@ -248,8 +248,13 @@ class BufferPool:
                 if self._created >= self.count:
                     return
                 self._created += 1
-            buf = StagingBuffer(self.nbytes, self._pin)
-            fault_in(buf.addr, buf.nbytes)
+            try:
+                buf = StagingBuffer(self.nbytes, self._pin)
+                fault_in(buf.addr, buf.nbytes)
+            except BaseException:
+                with self._lock:  # the pool keeps its size: a later acquire makes this buffer
+                    self._created -= 1
+                raise
             self._free.put(buf)
 
     @property

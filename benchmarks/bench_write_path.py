@@ -171,8 +171,6 @@ def _spread(xs: list[float], fmt: str = ".2f") -> str:
 
 def _main_loop(a: argparse.Namespace, directory: str) -> None:
     contenders = ["loop-off", "loop-on", "loop-auto"]
-    if a.only:
-        contenders = ["raw"] + [c for c in contenders if c != "raw" and c in a.only.split(",")]
     results: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
     for r in range(a.rounds):
         for c in contenders[r % 3:] + contenders[: r % 3]:

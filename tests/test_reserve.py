@@ -95,7 +95,7 @@ def test_reserve_reserves_nothing_in_sync_mode_or_over_the_budget(tmp_path, smal
     assert sync.snapshot_memory == 0
     sync.close()
     small = fp.Checkpointer(str(tmp_path / "small"), snapshot_bytes=MiB // 2, config=small_io)
-    with caplog.at_level(logging.INFO, logger="fastpersist.checkpointer"):
+    with caplog.at_level(logging.INFO, logger="fastpersist.stage"):
         assert small.reserve(state).result() == 0
     assert "exceeds snapshot_bytes" in caplog.text
     assert small.snapshot_memory == 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import functools
 import json
 import logging
 import os
@@ -47,9 +48,8 @@ from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.handle import Completion, History, SaveHandle, SaveMetrics
 from fastpersist.incremental import Incremental, block_size
 from fastpersist.io.backend import FileBackend
-from fastpersist.io.buffers import shared_pool
 from fastpersist.job import SaveJob
-from fastpersist.objects.write import lane_config
+from fastpersist.objects.write import prepare_lanes
 from fastpersist.nodes import Nodes, check_redundancy, node_id
 from fastpersist.protocol import SaveProtocol
 from fastpersist.publish import check_directory_save, publish_everywhere
@@ -238,31 +238,18 @@ class Checkpointer(ReadMethods):
         return self._stager.arena.allocated
 
     def reserve(self, state: Any = None, *, rank_state: Any = None, nbytes: int | None = None) -> Future[int]:
-        """Make the snapshot memory of the coming saves ready now, in the background.
-
-        A background save copies the state into host memory that the Checkpointer keeps from
-        save to save; the first save that needs it pays for the memory's first touch, several
-        times the copy itself (docs/BENCHMARKS.md, "The first save"). Call this once the state
-        has its full size (after the first optimizer step: most optimizers make their state
-        then) and the memory is faulted in on a thread of this rank while training goes on.
-        A save that comes before the reservation is done waits for the rest of it (with
-        ``when_busy="skip"`` too). The staging buffers this rank writes through are made ready
-        the same way (in ``sync`` mode too): one pool per root, the pools of a rank that writes
-        a file on every root. The state is sized here, on the calling thread (its
-        ``state_dict()`` calls, and a pickle of a state that is not plain containers and
-        tensors); only the memory is made ready in the background. A reservation that fails is
-        logged, and its future raises.
+        """Make the memory of the coming saves ready now, on a thread of this rank, so the first
+        save does not pay the first touch of fresh memory (docs/DESIGN.md, "The first save and
+        `reserve()`"). Call it once the state has its full size (after the first optimizer
+        step). A save that comes before the reservation is done waits for the rest of it.
 
         Args:
-            state, rank_state: what the coming saves will pass to :meth:`save`; sized as
-                :meth:`save` would copy it (in ``overlap`` mode without the protected
-                optimizers' tensors, which are written from live memory).
-            nbytes: or the size in bytes, instead of ``state``.
+            state, rank_state: what the coming saves will pass to :meth:`save`, sized here (on
+                the calling thread) as :meth:`save` would copy it; or ``nbytes`` instead.
 
         Returns:
-            A future of the bytes of snapshot memory ready; 0 in ``sync`` mode and when the
-            copies would exceed ``snapshot_bytes`` (those saves are written from live memory).
-            The staging buffers every save writes through are made ready too, in every mode.
+            A future of the bytes of snapshot memory ready (0 in ``sync`` mode or over
+            ``snapshot_bytes``); the staging buffers are made ready in every mode.
 
         Raises:
             TypeError, ValueError: both or neither of ``state`` and ``nbytes``, or a wrong ``nbytes``.
@@ -274,26 +261,14 @@ class Checkpointer(ReadMethods):
             raise TypeError("reserve() takes the state the coming saves will pass, or nbytes, not both")
         if nbytes is not None:
             _positive_int("nbytes", nbytes, minimum=0)
-        elif self.mode == "sync":
-            nbytes = 0  # nothing is copied
-        else:
+        if self.mode == "sync":  # sync saves copy nothing
+            nbytes = 0
+        elif nbytes is None:
             saveable, own, shards = _saveable(state, rank_state)
             live = self._guard.storages() if self.mode == "overlap" else set()
             nbytes = self._stager.need(saveable, own, [sh.tensor for sh in shards], live)
-        if self.mode == "sync" or not self._stager.arena.fits(nbytes):
-            if self.mode != "sync":
-                logger.info("reserve(): %.1f MiB of snapshot memory exceeds snapshot_bytes (%.1f MiB): saves of this "
-                            "size are written from live memory", nbytes / 2**20, self._stager.arena.budget / 2**20)
-            nbytes = 0
-        return self._stager.arena.reserve(nbytes, then=self._prepare_staging)
-
-    def _prepare_staging(self) -> None:
-        """Make the staging buffers of this rank's writes ready (one pool per root written at
-        once, objects/write.lane_config)."""
-        lanes = len(self.roots)
-        cfg = lane_config(self.config, lanes)
-        for lane in range(lanes):
-            shared_pool(cfg.chunk_bytes, cfg.num_buffers, lane).prepare()
+        # the staging buffers of one file per root written at once
+        return self._stager.reserve(nbytes, functools.partial(prepare_lanes, self.config, len(self.roots)))
 
     def protect(self, optimizer: torch.optim.Optimizer) -> None:
         """Write ``optimizer``'s parameters and state from live memory (overlap mode).

@@ -488,6 +488,15 @@ class Stager:
         job.metrics.bytes_copied = cap.copied
         return True
 
+    def reserve(self, nbytes: int, then: Callable[[], None]) -> Future[int]:
+        """Reserve ``nbytes`` of arena (none over the budget: such saves are written from live
+        memory), then run ``then`` on the reservation's thread (:meth:`Arena.reserve`)."""
+        if not self.arena.fits(nbytes):
+            logger.info("reserve(): %.1f MiB of snapshot memory exceeds snapshot_bytes (%.1f MiB): saves of this size "
+                        "are written from live memory", nbytes / 2**20, self.arena.budget / 2**20)
+            nbytes = 0
+        return self.arena.reserve(nbytes, then)
+
     def need(self, state: Any, rank_state: Any, local: list[torch.Tensor], live: set[int]) -> int:
         """The arena bytes a save of this (saveable) state would copy (:meth:`stage`)."""
         return copy_bytes(self._storages(state, rank_state, local)[0], live)

@@ -190,15 +190,27 @@ def write_slots(prepared: Prepared, jobs: Sequence[tuple[Sequence[Extent], int, 
     return files_at_once(len(jobs), config, one)
 
 
+def lane_pools(config: IOConfig, count: int) -> tuple[IOConfig, list[BufferPool]]:
+    """The configuration and the process-wide staging pools of ``count`` files written at once."""
+    cfg = lane_config(config, count)
+    return cfg, [shared_pool(cfg.chunk_bytes, cfg.num_buffers, lane) for lane in range(count)]
+
+
+def prepare_lanes(config: IOConfig, count: int) -> None:
+    """Make every staging buffer of ``count`` files written at once ready (BufferPool.prepare)."""
+    for pool in lane_pools(config, count)[1]:
+        pool.prepare()
+
+
 def files_at_once(count: int, config: IOConfig, one: Callable[[int, IOConfig, BufferPool], T]) -> list[T]:
     """Run ``one(lane, lane's config, lane's staging pool)`` for ``count`` files at once (one
     thread each, each file with its own writer threads and staging buffers, see
     :func:`lane_config`); returns the results in lane order, or raises the first failure after
     every file has stopped."""
-    cfg = lane_config(config, count)
+    cfg, pools = lane_pools(config, count)
 
     def run(lane: int) -> T:
-        return one(lane, cfg, shared_pool(cfg.chunk_bytes, cfg.num_buffers, lane))
+        return one(lane, cfg, pools[lane])
 
     if count == 1:
         return [run(0)]

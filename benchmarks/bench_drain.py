@@ -60,9 +60,9 @@ from demo import KINDS, SETTLE, SIZES, Samples, _Contender, rotated, round_media
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.cli._progress import Progress, wanted
 from fastpersist.config import get_config
-from fastpersist.durable.drain import _lower_priority
-from fastpersist.durable.store import PART_BYTES, DirStore, Store, open_store
-from fastpersist.handle import SaveHandle
+from fastpersist.tiers.durable.drain import _lower_priority
+from fastpersist.tiers.durable.store import PART_BYTES, DirStore, Store, open_store
+from fastpersist.saving.handle import SaveHandle
 from fastpersist.state import RNGState
 
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")

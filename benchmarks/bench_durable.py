@@ -77,12 +77,12 @@ from _bench.state import gpt_state, tensor_bytes
 from _bench.stats import median_spread
 
 import fastpersist as fp
-from fastpersist import catalog
+from fastpersist.storage import catalog
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.config import IOConfig, get_config
-from fastpersist.durable import drain as drain_module
-from fastpersist.durable import view as view_module
-from fastpersist.durable.store import PART_BYTES, S3Store
+from fastpersist.tiers.durable import drain as drain_module
+from fastpersist.tiers.durable import view as view_module
+from fastpersist.tiers.durable.store import PART_BYTES, S3Store
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 STEP = 0

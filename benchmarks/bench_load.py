@@ -89,7 +89,7 @@ def _ranks(rank: int, base: str, job: str, rows: list[int], out: Any) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir, sync_files=True, thread_count=4))
     else:
         into = _sharded(rows, False)
-        import fastpersist.view  # noqa: F401
+        import fastpersist.loading.view  # noqa: F401
         gc.collect()
         dist.barrier()
         t0 = time.perf_counter()
@@ -106,7 +106,7 @@ def _ranks(rank: int, base: str, job: str, rows: list[int], out: Any) -> None:
 def _one(kind: str, base: str, out: Any) -> None:
     import fastpersist as fp
     import fastpersist.single_file  # noqa: F401
-    import fastpersist.view  # noqa: F401
+    import fastpersist.loading.view  # noqa: F401
 
     torch.set_num_threads(1)
     gc.collect()

@@ -1,7 +1,7 @@
 """Copies across nodes: what redundancy costs a save, and what a lost node costs a restore.
 
 Four simulated nodes on this machine (one gloo rank each, two private roots each, a backend that
-refuses other nodes' paths: ``fastpersist.faults.NodeLocal``) save one state with
+refuses other nodes' paths: ``fastpersist.storage.faults.NodeLocal``) save one state with
 ``Checkpointer(mode="sync")``, round after round, alternating:
 
 - ``replicated``: a model-like replicated state (--mib MiB), ``redundancy=1`` vs ``2``;
@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, base: str, job: str, kind: str, mib: int, redun
     import torch.distributed as dist
 
     import fastpersist as fp
-    from fastpersist.faults import NodeLocal
+    from fastpersist.storage.faults import NodeLocal
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{base}/rdv-{job}-{kind}-{redundancy}", rank=rank,

@@ -8,7 +8,7 @@ overhead is paired by round against "none", with a 95% bootstrap interval (the d
 * ``none``: no checkpoint;
 * ``overlap``: ``Checkpointer(mode="overlap")``, a checkpoint every iteration;
 * ``overlap, 0.5 ms interval``: the same with the interpreter's switch interval lowered to
-  0.5 ms while a save runs (``IOConfig(switch_interval_us=500)``, fastpersist.gil);
+  0.5 ms while a save runs (``IOConfig(switch_interval_us=500)``, fastpersist.saving.gil);
 * ``overlap nice 19``: the same with the save thread at niceness 19 (Linux, per thread; the
   writer threads it starts inherit it): does the background take the training thread's CPU?
 * ``overlap direct from 64 KiB``: the same with ``IOConfig(zero_copy_min_bytes=64 KiB)``: live

@@ -41,7 +41,7 @@ from _bench.stats import median_spread
 
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 
 
 class TokenBucketBackend(FileBackend):

@@ -10,6 +10,14 @@ import pytest
 from fastpersist.config import IOConfig
 
 KiB = 1024
+LONG_TIMEOUT_S = 3600  # a test marked `long` (crash trials, the long fuzz run) may take this long
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` get :data:`LONG_TIMEOUT_S` unless they set their own timeout."""
+    for item in items:
+        if item.get_closest_marker("long") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
 
 
 @pytest.fixture

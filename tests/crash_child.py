@@ -19,7 +19,7 @@ import torch
 
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.config import IOConfig
-from fastpersist.faults import Fault, FaultyBackend, HoldWrite
+from fastpersist.storage.faults import Fault, FaultyBackend, HoldWrite
 
 def _holding() -> None:
     """Tell the parent the save is held mid-write (it kills this process then)."""

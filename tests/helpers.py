@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 
 # ---------------------------------------------------------------------------------------------
 # states

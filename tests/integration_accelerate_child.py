@@ -22,7 +22,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch import nn
 
 from fastpersist.config import IOConfig
-from fastpersist.faults import FaultyBackend
+from fastpersist.storage.faults import FaultyBackend
 from fastpersist.integrations.accelerate import AcceleratorCheckpointer
 from helpers import leave
 from integration_util import kill_faults

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from fastpersist.config import IOConfig
-from fastpersist.faults import FaultyBackend
+from fastpersist.storage.faults import FaultyBackend
 from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistCheckpointIO, FastPersistDDPStrategy
 from helpers import leave
 from integration_util import kill_faults

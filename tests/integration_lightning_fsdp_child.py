@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.fsdp import fully_shard
 
 from fastpersist.config import IOConfig
-from fastpersist.faults import FaultyBackend
+from fastpersist.storage.faults import FaultyBackend
 from fastpersist.integrations.lightning import AsyncFastPersistCheckpointIO, FastPersistModelParallelStrategy
 from integration_lightning_child import Tiny
 from helpers import leave

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
 from fastpersist.config import configure
-from fastpersist.faults import FaultyBackend
+from fastpersist.storage.faults import FaultyBackend
 from fastpersist.integrations.torchtitan import FastPersistCheckpointManager
 from helpers import leave
 from integration_util import kill_faults

@@ -20,7 +20,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from fastpersist.config import IOConfig
-from fastpersist.faults import FaultyBackend
+from fastpersist.storage.faults import FaultyBackend
 from fastpersist.integrations.transformers import FastPersistTrainer
 from helpers import leave
 from integration_util import kill_faults

@@ -28,7 +28,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import fastpersist as fp
 from fastpersist.config import IOConfig
-from fastpersist.faults import FaultyBackend
+from fastpersist.storage.faults import FaultyBackend
 from fastpersist.integrations.transformers import FastPersistTrainer
 from helpers import leave
 from integration_transformers_child import LossLog, dataset

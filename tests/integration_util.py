@@ -140,7 +140,7 @@ def kill_faults(spec: str, path_contains: str) -> list:
     """The children's faults for a kill spec: "0" none; "K" every rank at its second write
     request of the checkpoint whose files' paths contain ``path_contains``; "K:R:N" rank R
     alone, at its N-th write request."""
-    from fastpersist.faults import Fault
+    from fastpersist.storage.faults import Fault
 
     parts = [int(p) for p in spec.split(":")]
     if parts[0] <= 0:
@@ -186,7 +186,7 @@ def fsdp2_kill_resume_reshard(child: str, tmp_path: Any, *, root: str, model: st
     import torch
 
     import fastpersist as fp
-    from fastpersist import catalog
+    from fastpersist.storage import catalog
     from helpers import assert_state_equal
 
     dirs = {name: tmp_path / name for name in ("ref", "run", "one", "short", "one-ref")}

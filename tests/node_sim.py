@@ -1,6 +1,6 @@
 """Simulated nodes on one machine, for the node-loss tests: each rank gets a node id
 (``FASTPERSIST_NODE``), its node's private roots (``BASE/<node>/r<j>``), and a backend that
-refuses every path under another node's directory (:class:`fastpersist.faults.NodeLocal`), so
+refuses every path under another node's directory (:class:`fastpersist.storage.faults.NodeLocal`), so
 that locality is enforced, not assumed; optionally a planned SIGKILL at a file operation.
 """
 
@@ -11,7 +11,7 @@ import signal
 import threading
 from typing import Any
 
-from fastpersist.faults import NodeLocal
+from fastpersist.storage.faults import NodeLocal
 
 
 class FaultyNode(NodeLocal):

@@ -19,8 +19,9 @@ import torch
 
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer, list_checkpoints
-from fastpersist.io.backend import FileBackend
-from fastpersist.timeline import Commit, Retention
+from fastpersist.storage.backend import FileBackend
+from fastpersist.options import Retention
+from fastpersist.timeline import Commit
 from fastpersist.state import RNGState
 
 MODES = ["sync", "snapshot", "overlap"]
@@ -254,13 +255,13 @@ def _commits(*steps: int) -> list[Commit]:
 
 
 def test_retention_policy():
-    r = Retention(keep_last=2, keep_every=10)
+    r = Retention(keep=2, every=10)
     assert r.to_delete(_commits(1, 2, 3, 10, 11, 12)) == [1, 2, 3]  # 10: every 10th; 11, 12: last 2
     assert r.to_delete(_commits(1, 2, 3, 10, 11, 12, 13)) == [1, 2, 3, 11]
-    assert Retention(keep_last=1).to_delete(_commits(1, 2, 3), protected=[2]) == [1]  # in flight survives
+    assert Retention(keep=1).to_delete(_commits(1, 2, 3), protected=[2]) == [1]  # in flight survives
     assert Retention().to_delete(_commits(1, 2, 3)) == []
     with pytest.raises(ValueError, match="keep"):
-        Retention(keep_last=0)
+        Retention(keep=0)
 
 
 def test_background_error_surfaces_everywhere(tmp_path, small_io):
@@ -326,7 +327,7 @@ def test_startup_cleans_leftovers(tmp_path):
     assert [(i.step, i.committed) for i in reader.list()] == [(1, True), (2, False)]
     writer = Checkpointer(str(root))
     writer.save(3, {"x": torch.ones(3)}).wait()  # the first save takes the root, then cleans
-    assert sorted(os.listdir(root)) == [".fastpersist.lock", "latest", "step-00000001", "step-00000003"]
+    assert sorted(os.listdir(root)) == [".fastpersist.storage.lock", "latest", "step-00000001", "step-00000003"]
     assert ".manifest.json.fastpersist-tmp-1234" not in os.listdir(root / "step-00000001")
 
 

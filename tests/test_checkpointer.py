@@ -18,7 +18,7 @@ import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
 from fastpersist.format import manifest as mf
 from fastpersist.state import to_saveable
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 
 
 def _state(seed: int) -> dict:

@@ -21,9 +21,9 @@ import pytest
 from helpers import states_equal as _equal
 
 import fastpersist as fp
-from fastpersist.catalog import TEMP_SUFFIX
+from fastpersist.storage.catalog import TEMP_SUFFIX
 from fastpersist.checkpointer import Checkpointer, list_checkpoints
-from fastpersist.io.backend import PROTOCOL_POINTS
+from fastpersist.storage.backend import PROTOCOL_POINTS
 
 sys.path.insert(0, os.path.dirname(__file__))
 from crash_child import state  # noqa: E402

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer, load_checkpoint
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 
 
 def replicated(seed: int) -> dict:

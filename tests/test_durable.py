@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.durable.store import DirStore, StoreAccessError, StoreError
+from fastpersist.tiers.durable.store import DirStore, StoreAccessError, StoreError
 from fastpersist.errors import ChecksumMismatchError, CheckpointNotFoundError, CorruptCheckpointError
 from helpers import assert_state_equal, fsdp_mlp, gathered, per_rank, replicated, run_ranks
 
@@ -368,7 +368,7 @@ def test_a_fetch_left_in_a_root_by_a_crash_is_removed_at_the_clean_start(tmp_pat
     ck = fp.Checkpointer(str(root), mode="sync")
     ck.save(1, replicated(1, SMALL))
     ck.close()
-    assert sorted(os.listdir(root)) == [".fastpersist.lock", "latest", "step-00000001"]
+    assert sorted(os.listdir(root)) == [".fastpersist.storage.lock", "latest", "step-00000001"]
 
 
 def test_resume_on_new_machines_follows_the_durable_tier(tmp_path):

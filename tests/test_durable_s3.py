@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.durable.store import S3Store, StoreAccessError
+from fastpersist.tiers.durable.store import S3Store, StoreAccessError
 from fastpersist.errors import ChecksumMismatchError
 from helpers import assert_state_equal, fsdp_mlp, gathered, replicated, run_ranks
 from s3servers import skip_reason, start_moto, start_seaweedfs

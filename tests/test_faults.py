@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.storage.faults import Fault, FaultyBackend
 from conftest import remount
 
 MODES = ["sync", "snapshot", "overlap"]
@@ -129,8 +129,8 @@ def test_stale_lock_of_a_dead_job_is_taken_over(tmp_path, caplog):
             f"c = Checkpointer({root!r}); c.save(1, {{'x': torch.ones(3)}}).wait(); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
-    assert json.load(open(os.path.join(root, ".fastpersist.lock")))["pid"] > 0  # left behind
-    with caplog.at_level("INFO", logger="fastpersist.lock"), Checkpointer(root) as ck:
+    assert json.load(open(os.path.join(root, ".fastpersist.storage.lock")))["pid"] > 0  # left behind
+    with caplog.at_level("INFO", logger="fastpersist.storage.lock"), Checkpointer(root) as ck:
         ck.save(2, state(2)).wait()
     assert "no longer running" in caplog.text
     assert [i.step for i in ck.list()] == [1, 2]

@@ -13,7 +13,7 @@ import xxhash
 
 import fastpersist as fp
 from fastpersist.config import IOConfig
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 from fastpersist.io.buffers import BufferPool, aligned_empty, memory_view
 from fastpersist.io.fills import Fill, wait_filled
 from fastpersist.io import writer
@@ -154,13 +154,19 @@ def test_a_failed_copy_fails_the_write_naming_the_cause(tmp_path):
 
 
 def test_memory_outside_every_fill_is_read_at_once():
+    """A fill that has copied nothing yet holds back readers of its own bytes only: memory
+    elsewhere, just past its end or just before its start, is read at once (a reader that
+    waited here would wait for ever: the test's timeout reports it)."""
     arena = aligned_empty(MIB)
     other = aligned_empty(MIB)
     fill = Fill(arena.data_ptr(), MIB)
     try:
-        memory_view(other.data_ptr(), MIB)  # does not block
-        wait_filled(arena.data_ptr() + MIB, 10)  # just past the end
-        wait_filled(arena.data_ptr() - 10, 10)  # just before it
+        outside = [(other.data_ptr(), MIB), (arena.data_ptr() + MIB, 10), (arena.data_ptr() - 10, 10)]
+        assert fill.copying() and fill.covers(arena.data_ptr() + MIB - 1, 1)
+        assert not any(fill.covers(addr, n) for addr, n in outside)
+        assert len(memory_view(other.data_ptr(), MIB)) == MIB
+        for addr, n in outside:
+            wait_filled(addr, n)
     finally:
         fill.close()
 
@@ -211,7 +217,7 @@ def test_the_pipeline_setting_decides_which_saves_overlap_their_copy(tmp_path, p
     disk takes them) and copies a save first when nothing is in flight."""
     gate, waiting = threading.Event(), threading.Event()
     handler = _OnRecord("checkpoint step 2 waits for room", waiting)
-    log = logging.getLogger("fastpersist.driver")
+    log = logging.getLogger("fastpersist.saving.driver")
     level = log.level
     log.addHandler(handler)
     log.setLevel(logging.DEBUG)
@@ -241,7 +247,8 @@ def _state(seed: int) -> dict:
 def _failing_copy(monkeypatch, error: BaseException, at: int, ranks: tuple[int, ...] = (0,), rank: int = 0) -> None:
     """torch's copy (which the project cannot make fail for real) raises ``error`` at its
     ``at``-th call, in save()'s snapshot copy, in small batches so that a state takes several."""
-    from fastpersist import _torch, stage
+    from fastpersist import _torch
+    from fastpersist.saving import capture
 
     real = _torch.copy_many
     calls = []
@@ -252,7 +259,7 @@ def _failing_copy(monkeypatch, error: BaseException, at: int, ranks: tuple[int, 
             raise error
         real(dsts, srcs)
 
-    monkeypatch.setattr(stage, "COPY_STEP", 256 << 10)
+    monkeypatch.setattr(capture, "COPY_STEP", 256 << 10)
     monkeypatch.setattr(_torch, "copy_many", copy_many)
 
 

@@ -1,5 +1,5 @@
 """The interpreter's switch interval while a checkpoint is written in the background
-(fastpersist.gil): lowered for the save, put back after, someone else's change kept."""
+(fastpersist.saving.gil): lowered for the save, put back after, someone else's change kept."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.io import buffers
-from fastpersist.stage import Arena
+from fastpersist.saving.arena import Arena
 from fastpersist.state import RNGState
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -239,7 +239,7 @@ def test_symlink_to_system_files_is_never_read(tmp_path, target):
 def test_linked_step_directory_is_not_a_checkpoint_of_the_root(tmp_path):
     """A step directory planted as a link inside a root (here to a real checkpoint elsewhere,
     named by `latest`) is neither listed nor used as `latest`."""
-    from fastpersist import catalog
+    from fastpersist.storage import catalog
 
     roots, doc = _sharded(tmp_path)
     os.symlink(os.path.join(roots[0], build.STEP), os.path.join(roots[0], "step-00000002"))
@@ -486,7 +486,7 @@ def test_names_accept_only_the_documented_ascii_pattern():
 
 @pytest.mark.parametrize("name", ["step-00000001\n", "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661"])
 def test_step_directories_accept_only_ascii_digits(name):
-    from fastpersist import catalog
+    from fastpersist.storage import catalog
 
     assert catalog.parse_step_dir(name) is None
 

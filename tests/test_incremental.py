@@ -15,8 +15,8 @@ from helpers import assert_state_equal, gathered, run_ranks, wait_until
 
 import fastpersist as fp
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.faults import Fault, FaultyBackend
-from fastpersist.incremental import BLOCK, SAMPLES, Incremental, units_of
+from fastpersist.storage.faults import Fault, FaultyBackend
+from fastpersist.saving.extensions.incremental import BLOCK, SAMPLES, Incremental, units_of
 
 MiB = 1 << 20
 
@@ -423,7 +423,7 @@ def test_a_manifest_readers_would_refuse_is_never_committed(tmp_path, monkeypatc
 
 
 def test_a_very_large_state_gets_larger_units(monkeypatch):
-    import fastpersist.incremental as inc_mod
+    import fastpersist.saving.extensions.incremental as inc_mod
 
     monkeypatch.setattr(inc_mod, "MAX_UNITS", 64)
     inc = Incremental(0, 1, 64 * 1024)
@@ -434,8 +434,8 @@ def test_a_very_large_state_gets_larger_units(monkeypatch):
 
 
 def test_every_holder_must_find_a_chunk_unchanged():
-    from fastpersist import dtensor
-    from fastpersist.incremental import _Reference
+    from fastpersist.objects import dtensor
+    from fastpersist.saving.extensions.incremental import _Reference
     from fastpersist.objects.write import PlacedExtent
 
     meta = dtensor.ChunkMeta(("w",), "float32", (64, 64), (0, 0), (64, 64))
@@ -484,7 +484,7 @@ def test_units_whose_changes_the_samples_miss_are_hashed_less_and_less(tmp_path,
     """Sparse updates the samples never see: every save would hash every unit for nothing;
     after m such changes in a row a unit is written unhashed for 2^m - 1 saves. When the
     updates stop, the units are reused again."""
-    import fastpersist.incremental as inc_mod
+    import fastpersist.saving.extensions.incremental as inc_mod
 
     hashed: list[int] = []
     real = inc_mod.xxhash

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist import catalog
+from fastpersist.storage import catalog
 from integration_util import check_resumed, random_kill, read_losses, require, run_child, run_job
 
 CHILD = "integration_lightning_child.py"

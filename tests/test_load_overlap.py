@@ -17,10 +17,10 @@ import torch
 import fastpersist
 from fastpersist.errors import ChecksumMismatchError, CheckpointReadError, CorruptCheckpointError
 from fastpersist.format import references, skeleton
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 from fastpersist.io.reader import Landed, ReadsStopped, read_then_rebuild
 
-from helpers import assert_state_equal
+from helpers import assert_state_equal, blocked, wait_until
 
 
 def _state() -> dict:
@@ -41,10 +41,10 @@ def test_landed_merges_ranges_in_any_order_and_wakes_a_waiter_once_covered():
     landed.add(300, 100)
     landed.add(100, 100)
     assert not landed.covered(100, 300)  # 200..300 missing
-    time.sleep(0.05)
-    assert got == [] and waiter.is_alive()
+    wait_until(lambda: blocked(waiter))  # the waiter waits: what landed does not cover its range
+    assert got == []
     landed.add(200, 100)
-    waiter.join(10)
+    waiter.join()
     assert got == ["covered"]
     assert landed.covered(150, 200) and not landed.covered(50, 100) and not landed.covered(350, 100)
     landed.add(0, 50)
@@ -126,7 +126,6 @@ def test_without_overlap_the_rebuild_starts_after_every_read_and_check():
 
     def read(landed):
         for k in range(5):
-            time.sleep(0.01)
             landed.add(k * 10, 10)
         note("read")
 
@@ -144,42 +143,42 @@ def test_a_check_of_bytes_no_read_covers_fails_instead_of_hanging():
                           lambda: True)
 
 
-def _endless_read(steps: list[int], rebuilt: threading.Event | None = None):
+def _read_until_stopped(seen: list[str], rebuilt: threading.Event | None = None):
+    """Reads that never end by themselves: they land a byte at a time until the load stops
+    them (then ``seen`` ends with "stopped"; a load that never stopped them would hang, and the
+    test's timeout would report it). With ``rebuilt``, once the object is rebuilt and the load
+    waits for its reads, the main thread is interrupted (Ctrl-C)."""
     def read(landed):
-        sent = False
-        for k in range(1000):  # 10 s unless stopped
-            if rebuilt is not None and rebuilt.is_set() and not sent and k > 5:
-                sent = True  # Ctrl-C while the load waits for its reads
+        k = 0
+        while not landed.stopped:
+            if rebuilt is not None and rebuilt.is_set() and "interrupted" not in seen:
+                seen.append("interrupted")
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-            if landed.stopped:
-                return
-            time.sleep(0.01)
             landed.add(k, 1)
-            steps[0] = k
+            k += 1
+            time.sleep(0.001)  # a read's pace; the loop ends on the stop, not on time
+        seen.append("stopped")
     return read
 
 
 def test_an_interrupt_during_the_rebuild_stops_the_reads():
-    steps = [0]
+    seen: list[str] = []
 
     def rebuild():
-        time.sleep(0.05)
         raise KeyboardInterrupt
 
-    t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        read_then_rebuild(_endless_read(steps), lambda landed: None, rebuild, lambda: True)
-    assert steps[0] < 500 and time.monotonic() - t0 < 5, "the reads went on after the interrupt"
+        read_then_rebuild(_read_until_stopped(seen), lambda landed: None, rebuild, lambda: True)
+    assert seen == ["stopped"], "the load returned before its reads ended"
 
 
 def test_an_interrupt_while_the_load_waits_for_its_reads_stops_them():
-    steps = [0]
+    seen: list[str] = []
     rebuilt = threading.Event()
-    t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        read_then_rebuild(_endless_read(steps, rebuilt), lambda landed: None, lambda: rebuilt.set() or "object",
-                          lambda: True)
-    assert steps[0] < 500 and time.monotonic() - t0 < 5, "the reads went on after the interrupt"
+        read_then_rebuild(_read_until_stopped(seen, rebuilt), lambda landed: None,
+                          lambda: rebuilt.set() or "object", lambda: True)
+    assert seen == ["interrupted", "stopped"], "the load returned before its reads ended"
 
 
 def test_a_failed_read_of_one_file_is_reported_not_the_stop_it_caused_in_another(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ import torch
 from helpers import HeldBackend, assert_state_equal, file_names, replicated, run_ranks, states_equal, wait_until
 
 import fastpersist as fp
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.storage.faults import Fault, FaultyBackend
 
 SMALL = 200_000  # bytes of a state that fits the snapshot budget below
 BIG = 2_000_000  # ... and of one that does not
@@ -181,7 +181,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from helpers import replicated
 import fastpersist as fp
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.storage.faults import Fault, FaultyBackend
 root = {root!r}
 ck = fp.Checkpointer(root, mode="sync")
 for step in (5, 8, 9, 10):
@@ -273,7 +273,7 @@ def test_view_reads_a_checkpoint_without_lock_or_group(tmp_path):
     assert_state_equal(view.load_rank_state(3, rank=0), {"r": torch.arange(5)})
     assert view.metadata(3) == {"loss": 1.5} and view.verify(3) == []
     assert file_names(roots) == before
-    assert os.path.getsize(os.path.join(roots[0], ".fastpersist.lock")) == 0  # released, not re-taken
+    assert os.path.getsize(os.path.join(roots[0], ".fastpersist.storage.lock")) == 0  # released, not re-taken
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def test_lock_goes_through_the_backend(tmp_path):
     ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync", backend=backend)
     with pytest.raises(fp.CheckpointWriteError, match="cannot lock"):
         ck.save(1, {"x": torch.ones(3)})
-    assert backend.fired == [("lock", str(tmp_path / "ck" / ".fastpersist.lock"))]
+    assert backend.fired == [("lock", str(tmp_path / "ck" / ".fastpersist.storage.lock"))]
     backend.arm([])
     ck.save(1, {"x": torch.ones(3)})
     ck.close()

@@ -16,8 +16,8 @@ from fastpersist import Checkpointer
 from fastpersist.errors import CheckpointReadError, CorruptCheckpointError
 from fastpersist.format import copies
 from fastpersist.format import manifest as mf
-from fastpersist.nodes import Nodes, check_redundancy, node_id, redundant_plan
-from fastpersist.partners import partners, senders
+from fastpersist.topology import NodeMap, check_redundancy, node_id, redundant_plan
+from fastpersist.tiers.nodes.copies import partners, senders
 from fastpersist.plan import ALIGN
 
 from helpers import assert_state_equal, per_rank, replicated, run_ranks
@@ -53,7 +53,7 @@ def test_redundant_plan_puts_every_byte_on_distinct_nodes_evenly(nodes, per_node
 
 
 def test_partners_are_on_other_nodes_and_everyone_is_kept_twice():
-    nodes = Nodes.from_ids(["a", "a", "b", "b", "c", "c"])
+    nodes = NodeMap.from_ids(["a", "a", "b", "b", "c", "c"])
     for r in range(6):
         ps = partners(nodes, r, 3)
         assert len(ps) == 2 and len({nodes.of_rank[p] for p in ps} | {nodes.of_rank[r]}) == 3
@@ -70,8 +70,8 @@ def test_node_ids_and_redundancy_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="FASTPERSIST_NODE"):
         monkeypatch.setenv("FASTPERSIST_NODE", "bad\nid")
         node_id(None, "h")
-    two = Nodes.from_ids(["a", "b"])
-    assert check_redundancy(None, two) == 2 and check_redundancy(None, Nodes.from_ids(["a"])) == 1
+    two = NodeMap.from_ids(["a", "b"])
+    assert check_redundancy(None, two) == 2 and check_redundancy(None, NodeMap.from_ids(["a"])) == 1
     with pytest.raises(ValueError, match=r"redundancy=3 needs 3 nodes, but the job runs on 2"):
         check_redundancy(3, two)
 

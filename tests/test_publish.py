@@ -17,7 +17,7 @@ import torch
 
 import fastpersist as fp
 from fastpersist.errors import CheckpointNotFoundError, CheckpointWriteError
-from fastpersist.publish import OLD_SUFFIX, PARTIAL_SUFFIX, directory_checkpoint, sweep
+from fastpersist.storage.publish import OLD_SUFFIX, PARTIAL_SUFFIX, directory_checkpoint, sweep
 from helpers import run_ranks
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -86,7 +86,7 @@ def test_directory_on_another_filesystem_fails_naming_both_and_keeps_the_commit(
 
 _CHILD = r"""
 import sys, torch, fastpersist as fp
-from fastpersist.faults import Fault, FaultyBackend
+from fastpersist.storage.faults import Fault, FaultyBackend
 stage, target, where = sys.argv[1:4]
 # the renames of a publish whose paths hold the target's name: the step directory into the
 # partial, its `latest`, then (without exchange) the old directory aside, the partial in place

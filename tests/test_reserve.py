@@ -13,7 +13,7 @@ from helpers import assert_state_equal, blocked, states_equal, wait_until
 import fastpersist as fp
 from fastpersist.errors import CheckpointerClosedError
 from fastpersist.io.buffers import align_up, shared_pool
-from fastpersist.stage import Arena
+from fastpersist.saving.arena import Arena
 
 MiB = 1 << 20
 
@@ -95,7 +95,7 @@ def test_reserve_reserves_nothing_in_sync_mode_or_over_the_budget(tmp_path, smal
     assert sync.snapshot_memory == 0
     sync.close()
     small = fp.Checkpointer(str(tmp_path / "small"), snapshot_bytes=MiB // 2, config=small_io)
-    with caplog.at_level(logging.INFO, logger="fastpersist.stage"):
+    with caplog.at_level(logging.INFO, logger="fastpersist.saving.stage"):
         assert small.reserve(state).result() == 0
     assert "exceeds snapshot_bytes" in caplog.text
     assert small.snapshot_memory == 0
@@ -221,7 +221,7 @@ def test_a_failed_reservation_is_logged_and_the_arena_stays_usable(caplog):
         raise MemoryError("no memory for the staging buffers")
 
     arena = Arena(16 * MiB)
-    with caplog.at_level(logging.WARNING, logger="fastpersist.stage"):
+    with caplog.at_level(logging.WARNING, logger="fastpersist.saving.stage"):
         reserved = arena.reserve(2 * MiB, then=fail)
         with pytest.raises(MemoryError, match="staging buffers"):
             reserved.result(timeout=60)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fastpersist.dtensor import SPLIT_MIN, ChunkMeta, assign
+from fastpersist.objects.dtensor import SPLIT_MIN, ChunkMeta, assign
 from fastpersist.errors import CheckpointWriteError, CorruptCheckpointError
 from fastpersist.format import manifest as mf
 

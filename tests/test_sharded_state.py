@@ -439,7 +439,7 @@ def _save_recording(rank: int, world: int, roots: list[str]) -> list[tuple[str, 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fastpersist.io.backend import FileBackend
+    from fastpersist.storage.backend import FileBackend
 
     class Recording(FileBackend):
         seen: list[tuple[str, str]] = []

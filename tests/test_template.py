@@ -206,7 +206,7 @@ def test_checkpoints_written_from_templates_load_exactly(tmp_path, mode):
             expected[step] = (model.state_dict(), opt.state_dict(), sched.state_dict())
             expected[step] = pickle.loads(pickle.dumps(expected[step]))  # noqa: S301 - a deep copy
         ck.wait()
-        assert ck._protocol.templates.hits >= 3
+        assert sum(m.templated for m in ck.history) >= 3  # skeletons written from templates, not pickled
         for step in range(6):
             got = ck.load(step)
             assert got["step"] == step and got["loss"] == step / 3

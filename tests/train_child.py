@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.faults import HoldWrite
+from fastpersist.storage.faults import HoldWrite
 from fastpersist.state import RNGState
 
 class Data:

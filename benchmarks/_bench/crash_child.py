@@ -21,7 +21,7 @@ import torch
 
 from _bench.models import ModelSpec, build, train_step
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.faults import HoldWrite
+from fastpersist.storage.faults import HoldWrite
 from fastpersist.state import RNGState
 
 STALLED = b"s"  # what the stalled writer sends

@@ -32,11 +32,12 @@ from fastpersist.errors import (
 if TYPE_CHECKING:
     from fastpersist.checkpointer import Checkpointer
     from fastpersist.dist import Comm, GlooComm, LocalComm
-    from fastpersist.io.backend import FileBackend
-    from fastpersist.handle import SaveHandle, SaveMetrics
+    from fastpersist.storage.backend import FileBackend
+    from fastpersist.saving.handle import SaveHandle, SaveMetrics
     from fastpersist.single_file import load, save
     from fastpersist.state import RNGState
-    from fastpersist.view import CheckpointInfo, CheckpointView, list_checkpoints, load_checkpoint, open
+    from fastpersist.loading.view import CheckpointInfo, CheckpointView, list_checkpoints, load_checkpoint
+    from fastpersist.tiers.resolve import open
 
 __version__ = "0.1.0"
 
@@ -44,20 +45,20 @@ __version__ = "0.1.0"
 _LAZY = {
     "Checkpointer": "fastpersist.checkpointer",
     # extension points: the file seam and the coordination seam (as DCP exports its own)
-    "FileBackend": "fastpersist.io.backend",
+    "FileBackend": "fastpersist.storage.backend",
     "Comm": "fastpersist.dist",
     "GlooComm": "fastpersist.dist",
     "LocalComm": "fastpersist.dist",
-    "SaveHandle": "fastpersist.handle",
-    "SaveMetrics": "fastpersist.handle",
+    "SaveHandle": "fastpersist.saving.handle",
+    "SaveMetrics": "fastpersist.saving.handle",
     "load": "fastpersist.single_file",
     "save": "fastpersist.single_file",
     "RNGState": "fastpersist.state",
-    "CheckpointInfo": "fastpersist.view",
-    "CheckpointView": "fastpersist.view",
-    "list_checkpoints": "fastpersist.view",
-    "load_checkpoint": "fastpersist.view",
-    "open": "fastpersist.view",
+    "CheckpointInfo": "fastpersist.loading.view",
+    "CheckpointView": "fastpersist.loading.view",
+    "list_checkpoints": "fastpersist.loading.view",
+    "load_checkpoint": "fastpersist.loading.view",
+    "open": "fastpersist.tiers.resolve",
 }
 
 

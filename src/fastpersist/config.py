@@ -74,7 +74,7 @@ class IOConfig:
     snapshot_pipeline: str = "auto"
     # While a save runs in the background, the interpreter's switch interval is at most this
     # (microseconds; 0, the default, leaves it alone): the training thread then waits at most
-    # this long for the GIL when the save thread runs Python (fastpersist.gil). Off by default:
+    # this long for the GIL when the save thread runs Python (fastpersist.saving.gil). Off by default:
     # measured, it did not lower overlap mode's cost (docs/BENCHMARKS.md).
     switch_interval_us: int = 0
 

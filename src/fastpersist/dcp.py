@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from fastpersist import catalog
+from fastpersist.storage import catalog
 from fastpersist import teardown
 from fastpersist.config import IOConfig, get_config
 from fastpersist.errors import (
@@ -70,13 +70,13 @@ from fastpersist.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
 )
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, BufferPool, align_up, aligned_empty, memory_view
 from fastpersist.io.reader import ReadRequest, read_into
 from fastpersist.io.writer import Piece
 from fastpersist.objects.read import buffer_areas, merge_spans
 from fastpersist.objects.write import files_at_once, place, write_new_file
-from fastpersist.view import root_list
+from fastpersist.loading.view import root_list
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Writer(StorageWriter):
         roots: the checkpoint's directory, or one per SSD (the same list on every rank). When
             ``dcp.save`` is given a ``checkpoint_id``, it names the first root's directory.
         config: I/O settings (default: the process-wide configuration).
-        backend: the file seam (default: real files; see :mod:`fastpersist.faults`).
+        backend: the file seam (default: real files; see :mod:`fastpersist.storage.faults`).
     """
 
     def __init__(self, roots: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,

@@ -21,7 +21,7 @@ import logging
 import pickle
 import socket
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from fastpersist import teardown
@@ -129,14 +129,14 @@ class GlooComm:
 
     def broadcast(self, tensor: Any, src: int, channel: str = "control") -> None:
         """Broadcast a CPU tensor from rank ``src`` to every rank, in place (the restore
-        protocol's bytes, :mod:`fastpersist.peers`)."""
+        protocol's bytes, :mod:`fastpersist.tiers.nodes.restore`)."""
         with self._collective(channel) as group:
             self._kept_p2p.append((tensor,))
             self._dist.broadcast(tensor, src=src, group=group)
 
     def exchange(self, sends: list[tuple[int, Any]], recvs: list[tuple[int, Any]], channel: str = "work") -> None:
         """Send each (rank, tensor) of ``sends`` and receive each (rank, tensor) of ``recvs`` at
-        once, and wait for all (copies of unique bytes, :mod:`fastpersist.partners`)."""
+        once, and wait for all (copies of unique bytes, :mod:`fastpersist.tiers.nodes.copies`)."""
         with self._collective(channel) as group:
             self._kept_p2p.append((*(t for _, t in sends), *(t for _, t in recvs)))
             reqs = [self._dist.isend(t, dst, group=group) for dst, t in sends]
@@ -213,32 +213,3 @@ def agree(comm: Comm, what: str, fn: Callable[[], T]) -> list[T]:
 
 def host_name() -> str:
     return socket.gethostname()
-
-
-def writer_ranks(policy: str | int | Sequence[int], hosts: Sequence[str]) -> list[int]:
-    """The ranks that write replicated state, given each rank's host name.
-
-    ``"all"``: every rank; ``"node"``: the first rank of every host; an int ``N``: the first N
-    ranks of every host; a list: exactly those ranks.
-    """
-    world = len(hosts)
-    by_host: dict[str, list[int]] = {}
-    for r, h in enumerate(hosts):
-        by_host.setdefault(h, []).append(r)
-    if policy == "all":
-        return list(range(world))
-    if policy == "node":
-        return sorted(ranks[0] for ranks in by_host.values())
-    if isinstance(policy, int) and not isinstance(policy, bool):
-        if policy < 1:
-            raise ValueError(f"writers={policy}: at least one writer per node is needed")
-        return sorted(r for ranks in by_host.values() for r in ranks[:policy])
-    if isinstance(policy, str):
-        raise ValueError(f"writers={policy!r}: use 'all', 'node', a number per node or a list of ranks")
-    if isinstance(policy, bool) or not isinstance(policy, Sequence):
-        raise TypeError(f"writers must be 'all', 'node', an int or a list of ranks, got {policy!r}")
-    chosen = sorted(set(int(r) for r in policy))
-    bad = [r for r in chosen if not 0 <= r < world]
-    if not chosen or bad:
-        raise ValueError(f"writers={list(policy)}: ranks must be in 0..{world - 1} and not empty")
-    return chosen

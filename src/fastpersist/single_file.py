@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fastpersist.commit import check_directory, temp_path_for
+from fastpersist.storage.atomic import check_directory, temp_path_for
 from fastpersist.config import IOConfig, get_config
 from fastpersist.errors import (
     CheckpointNotFoundError,
@@ -31,7 +31,7 @@ from fastpersist.errors import (
     CorruptCheckpointError,
 )
 from fastpersist.format import integrity, references, skeleton, torchzip
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 from fastpersist.io.buffers import align_down, align_up, memory_view, shared_pool
 from fastpersist.io.files import DirectFile, file_size, preallocate, pwrite_all
 from fastpersist.io.reader import Landed, ReadRequest, allocate, read_into, read_then_rebuild
@@ -57,7 +57,7 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
     complete and durable; an existing file of that name is replaced atomically, and is left
     untouched if the save fails before the rename (no temporary file is left either); a failure
     to fsync the directory after the rename says so. ``backend`` is the file
-    seam (default: real files; see :mod:`fastpersist.faults`).
+    seam (default: real files; see :mod:`fastpersist.storage.faults`).
     """
     cfg = config or get_config()
     io = backend or FileBackend()

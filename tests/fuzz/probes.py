@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 import fastpersist as fp
-from fastpersist import catalog
+from fastpersist.storage import catalog
 from fastpersist.objects.verify import verify
 from fastpersist.cli.checkpoints import verify_main
 from fuzz.build import equal, reference_state

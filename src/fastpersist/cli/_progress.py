@@ -13,7 +13,7 @@ import threading
 from types import TracebackType
 from typing import Any, TextIO
 
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 
 
 def wanted(quiet: bool, stream: TextIO | None = None) -> bool:

@@ -8,7 +8,7 @@ unreadable or of the wrong kind. ``--json`` output is described in docs/CLI.md.
 The durable tier (``Checkpointer(durable=...)``): ``ls ROOT --durable LOCATION`` shows which
 tier holds each step; ``ls``, ``inspect``, ``verify`` and ``convert`` also take an
 ``s3://bucket/prefix`` URL (its latest checkpoint) or ``s3://bucket/prefix/step-N``, read
-through :class:`fastpersist.durable.view.DurableView`. A durable tier in a directory is a
+through :class:`fastpersist.tiers.durable.view.DurableView`. A durable tier in a directory is a
 checkpoint root like any other.
 """
 
@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastpersist import catalog, timeline
-from fastpersist.durable.store import is_url
+from fastpersist.storage import catalog
+from fastpersist import timeline
+from fastpersist.tiers.durable.store import is_url
 from fastpersist.objects.verify import Problem, verify
 from fastpersist.cli._progress import Progress, ProgressBackend, wanted
 from fastpersist.cli._units import rate, size
@@ -34,7 +35,7 @@ from fastpersist.config import get_config
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
 from fastpersist.single_file import load, save
-from fastpersist.view import (
+from fastpersist.loading.view import (
     CheckpointInfo,
     CheckpointView,
     checkpoint_dirs,
@@ -45,7 +46,7 @@ from fastpersist.view import (
 )
 
 if TYPE_CHECKING:
-    from fastpersist.durable.view import DurableView
+    from fastpersist.tiers.durable.view import DurableView
 
 OK, PROBLEM, USAGE = 0, 1, 2
 T = TypeVar("T")
@@ -112,7 +113,7 @@ def _split_url(url: str) -> tuple[str, int | str]:
 def _reach(where: str, fn: Callable[[], T]) -> T:
     """Run ``fn`` on a durable location: one that cannot be reached or read at all (no such
     endpoint, credentials refused) is a path error (exit status 2), as an unreadable directory is."""
-    from fastpersist.durable.store import StoreError
+    from fastpersist.tiers.durable.store import StoreError
 
     try:
         return fn()
@@ -126,7 +127,7 @@ def _durable_view(url: str) -> DurableView:
     if scheme not in ("s3", "s3a"):
         raise _PathError(f"{url}: only s3:// URLs are supported (a durable tier in a directory is given by its path)")
     try:
-        from fastpersist.durable.view import DurableView
+        from fastpersist.tiers.durable.view import DurableView
 
         return DurableView(url)
     except (ImportError, ValueError) as e:
@@ -375,7 +376,7 @@ def _first_dir(checkpoint: str) -> str:
 def _dirs(checkpoint: str, roots: Sequence[str]) -> list[str]:
     """The checkpoint's directory in each of its roots: ``checkpoint`` is a step directory or a
     root (its latest commit); the other roots are ``roots`` (--root, in order) or those the
-    manifest recorded (see :func:`fastpersist.view.checkpoint_dirs`)."""
+    manifest recorded (see :func:`fastpersist.loading.view.checkpoint_dirs`)."""
     return checkpoint_dirs(_first_dir(checkpoint), roots, option="--root")
 
 

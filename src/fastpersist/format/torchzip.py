@@ -31,7 +31,6 @@ import os
 import pickle
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import xxhash

@@ -3,7 +3,7 @@
 Lightning names each checkpoint by a path (``epoch=0-step=5.ckpt``, a ``last.ckpt`` replaced at
 every save), while a Checkpointer names checkpoints by step under fixed roots.
 :class:`NamedCheckpoints` bridges the two with the Checkpointer's public directory saves
-(``save(seq, state, directory=path)``, :mod:`fastpersist.publish`): one long-lived
+(``save(seq, state, directory=path)``, :mod:`fastpersist.storage.publish`): one long-lived
 Checkpointer (so its snapshot arena, worker and process groups are reused) writes every
 checkpoint under a sequence number in a staging root next to the checkpoints, and moves it
 under ``path`` once committed, before its handle completes. No thread of the integration's own.
@@ -17,8 +17,8 @@ from typing import Any
 
 from fastpersist.checkpointer import Checkpointer, list_checkpoints
 from fastpersist.errors import CheckpointError
-from fastpersist.handle import SaveHandle
-from fastpersist.publish import sweep
+from fastpersist.saving.handle import SaveHandle
+from fastpersist.storage.publish import sweep
 
 STAGING = ".fastpersist-staging"
 

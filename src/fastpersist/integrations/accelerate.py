@@ -57,7 +57,7 @@ from accelerate.utils import DistributedType
 
 from fastpersist.checkpointer import Checkpointer
 from fastpersist.errors import CheckpointError
-from fastpersist.handle import SaveHandle
+from fastpersist.saving.handle import SaveHandle
 from fastpersist.integrations import _fsdp2 as fsdp2
 from fastpersist.state import RNGState, restore_into
 

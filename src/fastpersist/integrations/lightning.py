@@ -19,7 +19,7 @@ Lightning builds the checkpoint dict and hands it to its strategy, which hands i
   written with O_DIRECT (:func:`fastpersist.save`); ``torch.load(path)`` reads it.
 - ``FastPersistCheckpointIO(format="sharded")``: ``path`` is a directory holding one
   fastpersist checkpoint (parallel files, checksums; ``fastpersist convert`` makes it one file),
-  saved with the Checkpointer's directory saves (:mod:`fastpersist.publish`).
+  saved with the Checkpointer's directory saves (:mod:`fastpersist.storage.publish`).
 - ``AsyncFastPersistCheckpointIO``: the sharded format in the Checkpointer's ``snapshot`` mode:
   ``save_checkpoint`` returns once the state is copied into the snapshot arena, and the write
   overlaps the next steps. The directory appears under ``path`` only once committed.
@@ -46,17 +46,17 @@ import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from fastpersist import catalog
+from fastpersist.storage import catalog
 from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointError
 from fastpersist.format import manifest as mf
-from fastpersist.handle import SaveHandle
+from fastpersist.saving.handle import SaveHandle
 from fastpersist.integrations import _local
-from fastpersist.publish import directory_checkpoint, remove_published
+from fastpersist.storage.publish import directory_checkpoint, remove_published
 from fastpersist.single_file import load as load_file
 from fastpersist.single_file import save as save_file
-from fastpersist.view import load_checkpoint
-from fastpersist.view import open as open_view
+from fastpersist.loading.view import load_checkpoint
+from fastpersist.tiers.resolve import open as open_view
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class AsyncFastPersistCheckpointIO(FastPersistCheckpointIO):
 
     ``save_checkpoint`` copies the state into the Checkpointer's bounded snapshot arena and
     returns; the Checkpointer's worker writes, commits and moves it under ``path``
-    (:mod:`fastpersist.publish`). A failure is raised by the next ``save_checkpoint``, by
+    (:mod:`fastpersist.storage.publish`). A failure is raised by the next ``save_checkpoint``, by
     ``wait`` or by ``teardown``. ``remove_checkpoint`` and ``load_checkpoint`` of a path being
     written wait for it first.
 

@@ -42,7 +42,7 @@ from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
 from fastpersist.dcp import Reader, Writer, written_by_fastpersist
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class FastPersistCheckpointManager(CheckpointManager):
     """torchtitan's ``CheckpointManager`` with fastpersist as DCP's storage layer.
 
     ``backend`` (attribute, default real files) is fastpersist's file seam, for fault
-    injection (:mod:`fastpersist.faults`).
+    injection (:mod:`fastpersist.storage.faults`).
     """
 
     @dataclass(kw_only=True, slots=True)

@@ -53,13 +53,13 @@ from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 
-from fastpersist import catalog
+from fastpersist.storage import catalog
 from fastpersist.checkpointer import Checkpointer, list_checkpoints, load_checkpoint
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
 from fastpersist.integrations import _fsdp2 as fsdp2
 from fastpersist.state import RNGState
-from fastpersist.view import open as open_view
+from fastpersist.tiers.resolve import open as open_view
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ class DirectFile:
                  on_write: Callable[[int, int], None] | None = None) -> None:
         self.path = path
         # Called as on_write(offset, nbytes) by writer threads before each write request: the
-        # seam for throttled and fault-injecting backends (see fastpersist.io.backend).
+        # seam for throttled and fault-injecting backends (see fastpersist.storage.backend).
         self.on_write = on_write
         # Called as on_read(offset, nbytes) before each read request (the read side of the seam).
         self.on_read: Callable[[int, int], None] | None = None

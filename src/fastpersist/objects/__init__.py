@@ -2,5 +2,5 @@
 module per role: :mod:`~fastpersist.objects.write`, :mod:`~fastpersist.objects.read`,
 :mod:`~fastpersist.objects.verify`, and what reading and verifying share,
 :mod:`~fastpersist.objects.files`. Sharded tensors (DTensor chunks) are written by the same
-writer and read by :mod:`fastpersist.reshard`.
+writer and read by :mod:`fastpersist.loading.reshard`.
 """

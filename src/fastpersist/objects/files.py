@@ -26,8 +26,8 @@ from fastpersist.errors import (
 )
 from fastpersist.format import manifest as mf
 from fastpersist.format import references, skeleton
-from fastpersist.io.backend import REAL_FILES as _REAL_FILES
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import REAL_FILES as _REAL_FILES
+from fastpersist.storage.backend import FileBackend
 from fastpersist.io.buffers import memory_view
 from fastpersist.io.files import DirectFile, file_size
 from fastpersist.io.reader import Landed

@@ -18,7 +18,7 @@ from fastpersist.config import IOConfig
 from fastpersist.errors import CheckpointReadError
 from fastpersist.format import manifest as mf
 from fastpersist.format import references, skeleton
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, align_up
 from fastpersist.io.files import DirectFile
 from fastpersist.io.reader import (

@@ -13,7 +13,7 @@ import xxhash
 from fastpersist.errors import CheckpointError
 from fastpersist.format import manifest as mf
 from fastpersist.format import skeleton
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 from fastpersist.io.files import DirectFile, file_size
 from fastpersist.objects.files import (
     check_size,

@@ -26,12 +26,12 @@ import torch
 import xxhash
 
 from fastpersist.config import IOConfig
-from fastpersist.dtensor import Layout, tensor_index
+from fastpersist.objects.dtensor import Layout, tensor_index
 from fastpersist.errors import CheckpointWriteError, UnsaveableObjectError
 from fastpersist.format import manifest as mf
 from fastpersist.format import skeleton, torchzip
 from fastpersist.format.template import Templates
-from fastpersist.io.backend import FileBackend
+from fastpersist.storage.backend import FileBackend
 from fastpersist.io.buffers import ALIGN, BufferPool, align_up, shared_pool
 from fastpersist.io.files import preallocate
 from fastpersist.io.writer import Piece, write_pieces
@@ -55,6 +55,7 @@ class Prepared:
     storages: list[torch.UntypedStorage]
     sizes: list[int]
     tensors: list[mf.TensorEntry] = dataclasses.field(default_factory=list)  # by key path
+    templated: bool = False  # its skeleton was written from a template, not pickled
 
     @functools.cached_property
     def skeleton_checksum(self) -> int:
@@ -78,7 +79,7 @@ def prepare(name: str, obj: object, templates: Templates | None = None) -> Prepa
         if templates is not None and walk is not None:
             templates.learn(name, obj, walk, small, keys, storages, tensors)
     return Prepared(name=name, skeleton=skeleton.encode(small), keys=keys, storages=storages,
-                    sizes=[s.nbytes() for s in storages], tensors=tensors)
+                    sizes=[s.nbytes() for s in storages], tensors=tensors, templated=filled is not None)
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ def build_object(prepared_keys: Sequence[str], sizes: Sequence[int], skeleton_fi
 
     ``data`` pairs each data file's index in the manifest's file list with its report;
     ``skeleton_files`` are the indices of the skeleton's copies (one per node). Extents written
-    more than once (copies on several nodes, see :mod:`fastpersist.nodes`) become one extent
+    more than once (copies on several nodes, see :mod:`fastpersist.topology`) become one extent
     with its ``copies``.
     """
     per_storage: list[list[mf.ExtentEntry]] = [[] for _ in sizes]

@@ -1,0 +1,85 @@
+"""One writer per checkpoint root: a lock file held by the job that writes there.
+
+Two jobs pointed at the same root by mistake would delete each other's in-progress saves (the
+start-up cleanup) and race on ``latest``. The coordinator of a Checkpointer therefore holds
+``<first root>/.fastpersist.storage.lock`` with ``flock`` from its first save until ``close()``. The
+kernel releases a flock when its process dies, so a lock left by a crashed job is recognised
+as stale simply because it can be taken; the file's content (pid, host, time) only serves the
+error message and the log. Readers (load, list, ls, verify) never take the lock.
+
+flock is advisory and local to one machine (NFS support varies); roots shared by jobs on
+different machines need a scheduler that keeps them apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+
+from fastpersist.errors import CheckpointWriteError
+from fastpersist.storage.backend import FileBackend
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".fastpersist.storage.lock"
+
+
+class RootLock:
+    def __init__(self, root: str, backend: FileBackend) -> None:
+        self.path = os.path.join(root, LOCK_NAME)
+        self.backend = backend
+        self._fd = -1
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        try:
+            self.backend.makedirs(os.path.dirname(self.path))
+            fd = self.backend.lock(self.path)
+        except BlockingIOError as e:
+            raise CheckpointWriteError(
+                f"the checkpoint root {os.path.dirname(self.path)} is in use by another Checkpointer "
+                f"({_holder(self.path)}); two jobs writing one root would destroy each other's checkpoints: use "
+                "another root, or stop the other job (close() releases the root)"
+            ) from e
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot lock {self.path}: {e.strerror or e}") from e
+        previous = os.pread(fd, 4096, 0)
+        if previous.strip():
+            logger.info("took over %s, left by a job that is no longer running (%s)", self.path, _describe(previous))
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                os.ftruncate(fd, 0)  # an empty lock file tells the next job nothing was left behind
+            finally:
+                os.close(fd)
+
+
+def _holder(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return _describe(f.read(4096))
+    except OSError:
+        return "holder unknown"
+
+
+def _describe(raw: bytes) -> str:
+    try:
+        info = json.loads(raw)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
+        return f"pid {info['pid']} on {info['host']}, since {since}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"

@@ -58,7 +58,7 @@ from _bench.savers import FastpersistSaver, make_saver
 from _bench.stats import Overhead, overhead, quantile
 from demo import KINDS, SETTLE, SIZES, Samples, _Contender, rotated, round_medians, spec
 from fastpersist.checkpointer import Checkpointer
-from fastpersist.cli._progress import Progress, wanted
+from fastpersist.cli.progress import Progress, wanted
 from fastpersist.config import get_config
 from fastpersist.tiers.durable.drain import _lower_priority
 from fastpersist.tiers.durable.store import PART_BYTES, DirStore, Store, open_store

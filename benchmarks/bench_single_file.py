@@ -32,7 +32,7 @@ from _bench.measure import GB, MiB, Sample, device_probe, drop_caches, machine_f
 from _bench.savers import save_dcp, save_torch
 from _bench.state import gpt_state, tensor_bytes
 from _bench.stats import median_spread
-from fastpersist.cli._progress import Progress, wanted
+from fastpersist.cli.progress import Progress, wanted
 
 
 # ------------------------------------------------------------------------------- the run

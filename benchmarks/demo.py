@@ -33,7 +33,7 @@ from _bench.crash import crash_and_resume
 from _bench.models import ModelSpec, build, params_and_state_bytes, train_step
 from _bench.savers import FastpersistSaver, TorchSaver, make_saver
 from _bench.stats import overhead, quantile
-from fastpersist.cli._progress import Progress, wanted
+from fastpersist.cli.progress import Progress, wanted
 
 # ------------------------------------------------------------------------------- the models
 

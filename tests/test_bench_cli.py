@@ -81,9 +81,9 @@ def test_demo_and_bench_need_a_checkout(monkeypatch, capsys):
     demo and the benchmarks run, in one line, and exit 2 (a wrong path), importing nothing."""
     import sys
 
-    from fastpersist.cli import _programs, main
+    from fastpersist.cli import main, programs
 
-    monkeypatch.setattr(_programs, "BENCHMARKS", os.path.join(os.sep, "nonexistent", "benchmarks"))
+    monkeypatch.setattr(programs, "BENCHMARKS", os.path.join(os.sep, "nonexistent", "benchmarks"))
     before = set(sys.modules)
     for command in ("demo", "bench"):
         assert main([command, "--help"]) == 2

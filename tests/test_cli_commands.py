@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.cli import _COMMANDS, main
-from fastpersist.cli import _progress, checkpoints
-from fastpersist.cli._units import rate, size
+from fastpersist.cli import COMMANDS, main
+from fastpersist.cli import checkpoints, progress
+from fastpersist.cli.units import rate, size
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
@@ -58,7 +58,7 @@ def test_command_arguments_are_forwarded_unchanged(monkeypatch, capsys):
     fake = types.ModuleType("fastpersist_fake_cmd")
     fake.main = lambda argv: seen.append(list(argv)) or 7  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fastpersist_fake_cmd", fake)
-    monkeypatch.setitem(_COMMANDS, "fake", ("fastpersist_fake_cmd", "main", "a test command"))
+    monkeypatch.setitem(COMMANDS, "fake", ("fastpersist_fake_cmd", "main", "a test command"))
     argv = ["--help", "-q", "--rounds", "3", "pos", "--x=1", "-h"]
     assert main(["fake", *argv]) == 7
     assert seen == [argv]
@@ -198,16 +198,16 @@ class _Tty:
 
 
 def test_progress_wanted():
-    assert _progress.wanted(False, _Tty(True)) is True
-    assert _progress.wanted(True, _Tty(True)) is False  # --quiet
-    assert _progress.wanted(False, _Tty(False)) is False
+    assert progress.wanted(False, _Tty(True)) is True
+    assert progress.wanted(True, _Tty(True)) is False  # --quiet
+    assert progress.wanted(False, _Tty(False)) is False
 
 
 @pytest.mark.parametrize("command", ["verify", "convert"])
 def test_progress_bar_on_a_terminal_counts_every_byte(tmp_path, capsys, monkeypatch, command):
     roots, step = _checkpoints(tmp_path)
-    bars: list[_progress.Progress] = []
-    real = _progress.Progress
+    bars: list[progress.Progress] = []
+    real = progress.Progress
 
     def recording(*args, **kwargs):
         bars.append(real(*args, **kwargs))

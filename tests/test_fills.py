@@ -78,7 +78,7 @@ def test_the_writer_writes_each_part_once_it_is_copied_and_never_before(tmp_path
         assert f.read() == source.numpy().tobytes()
 
 
-def test_hashing_waits_for_the_copy_and_the_digests_stay_exact(tmp_path, monkeypatch):
+def test_hashing_waits_for_the_copy_and_the_digests_stay_exact(tmp_path):
     """A pipelined write hashes nothing while save()'s copy runs (both would share the CPU);
     once the copy is over it catches up, and every digest is the digest of the piece's bytes:
     a small record, small pieces of the arena (staged) and a large one (written from memory)."""
@@ -95,14 +95,14 @@ def test_hashing_waits_for_the_copy_and_the_digests_stay_exact(tmp_path, monkeyp
     size = big_at + 5 * MIB
     fill = Fill(arena.data_ptr(), n)
     hashed_while_copying: list[str] = []
-    real_now = writer._Hashers._now
+    hashed: set[str] = set()
 
-    def watched(self, tag, view):
-        if fill.copying():
-            hashed_while_copying.append(tag)
-        real_now(self, tag, view)
+    class Watching(writer.WriteObserver):
+        def hashed(self, tag, nbytes):
+            hashed.add(tag)
+            if fill.copying():
+                hashed_while_copying.append(tag)
 
-    monkeypatch.setattr(writer._Hashers, "_now", watched)
     cfg = IOConfig(chunk_bytes=MIB, num_buffers=2, writer_threads=1, direct="auto", zero_copy_min_bytes=MIB)
     backend = _Watching()
     out: dict[str, object] = {}
@@ -114,18 +114,20 @@ def test_hashing_waits_for_the_copy_and_the_digests_stay_exact(tmp_path, monkeyp
             out["error"] = e
 
     t = threading.Thread(target=run)
-    t.start()
-    try:
-        for k in range(n // MIB):  # the copy, front to back, while the writer writes what landed
-            arena[k * MIB : (k + 1) * MIB].copy_(source[k * MIB : (k + 1) * MIB])
-            fill.advance((k + 1) * MIB)
-            if k == 0:
-                assert backend.first.wait(60), "nothing written once the first part was copied"
-        fill.complete()
-        t.join(60)
-    finally:
-        fill.close()
+    with writer.observe_writes(Watching()):
+        t.start()
+        try:
+            for k in range(n // MIB):  # the copy, front to back, while the writer writes what landed
+                arena[k * MIB : (k + 1) * MIB].copy_(source[k * MIB : (k + 1) * MIB])
+                fill.advance((k + 1) * MIB)
+                if k == 0:
+                    assert backend.first.wait(60), "nothing written once the first part was copied"
+            fill.complete()
+            t.join(60)
+        finally:
+            fill.close()
     assert "error" not in out, out
+    assert hashed == {p.tag for p in pieces}, "the observer missed hashing: this test would check nothing"
     assert hashed_while_copying == [], f"hashed while the copy ran: {hashed_while_copying}"
     want = {"header": xxhash.xxh3_64_intdigest(header), "big": xxhash.xxh3_64_intdigest(source[MIB:].numpy())}
     for k, (off, nb) in enumerate(small):
@@ -247,10 +249,10 @@ def _state(seed: int) -> dict:
 def _failing_copy(monkeypatch, error: BaseException, at: int, ranks: tuple[int, ...] = (0,), rank: int = 0) -> None:
     """torch's copy (which the project cannot make fail for real) raises ``error`` at its
     ``at``-th call, in save()'s snapshot copy, in small batches so that a state takes several."""
-    from fastpersist import _torch
+    from fastpersist import torch_internals
     from fastpersist.saving import capture
 
-    real = _torch.copy_many
+    real = torch_internals.copy_many
     calls = []
 
     def copy_many(dsts, srcs):
@@ -260,7 +262,7 @@ def _failing_copy(monkeypatch, error: BaseException, at: int, ranks: tuple[int, 
         real(dsts, srcs)
 
     monkeypatch.setattr(capture, "COPY_STEP", 256 << 10)
-    monkeypatch.setattr(_torch, "copy_many", copy_many)
+    monkeypatch.setattr(torch_internals, "copy_many", copy_many)
 
 
 @pytest.mark.parametrize("error,at", [(KeyboardInterrupt(), 1), (MemoryError("the copy ran out of memory"), 3)],

@@ -1,18 +1,22 @@
 """The GPU path: page-locked staging, device-to-host copies on a side stream, the optimizer-step
 guard with live GPU tensors, CUDA RNG state.
 
-The first group runs everywhere: CUDA's host-registration calls are replaced by a recorder (the
-only thing mocked), and everything else is real. The second group needs a CUDA device and is
-skipped without one; each of its tests fails if the GPU path is wrong (they were written to
-catch the defects fixed with them: copies queued behind training on the default stream, copies
-unordered with a training stream, CUDA RNG states that cannot be restored from a GPU load).
+The first group runs everywhere: the CUDA runtime's host calls are replaced by a recorder put in
+place with buffers.use_cuda_host (the only thing faked), and everything else is real. The second
+group needs a CUDA device and is skipped without one; each of its tests fails if the GPU path is
+wrong (they were written to catch the defects fixed with them: copies queued behind training on
+the default stream, copies unordered with a training stream, CUDA RNG states that cannot be
+restored from a GPU load).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
+from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,24 +33,42 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 MiB = 1 << 20
 
 
-class FakeCudart:
-    """Records cudaHostRegister / cudaHostUnregister; ``fail`` makes registration fail."""
+class FakeCudaHost(buffers.CudaHost):
+    """A CUDA runtime without a device: records cudaHostRegister / cudaHostUnregister; ``fail``
+    makes registration fail; torch's pinned allocator hands out pageable memory (the sizes asked
+    for are kept in ``pinned``), or refuses if not ``can_pin``; events are plain markers."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, can_pin: bool = True) -> None:
         self.fail = fail
+        self.can_pin = can_pin
         self.registered: dict[int, int] = {}
         self.calls: list[tuple[str, int, int]] = []
+        self.pinned: list[int] = []
+        self.threads: set[int] = set()  # where register() ran
 
-    def cudaHostRegister(self, addr: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+    def present(self) -> bool:
+        return True
+
+    def register(self, addr: int, size: int) -> int:
         self.calls.append(("register", addr, size))
+        self.threads.add(threading.get_ident())
         if self.fail:
             return 2  # cudaErrorMemoryAllocation
         self.registered[addr] = size
         return 0
 
-    def cudaHostUnregister(self, addr: int) -> int:  # noqa: N802
+    def unregister(self, addr: int) -> int:
         self.calls.append(("unregister", addr, 0))
         return 0 if self.registered.pop(addr, None) is not None else 1
+
+    def torch_pinned(self, size: int) -> torch.Tensor:  # stands in for torch.empty(pin_memory=True)
+        if not self.can_pin:
+            raise RuntimeError("no CUDA")
+        self.pinned.append(size)
+        return buffers.aligned_empty(size, pin=False)
+
+    def record_event(self, device: torch.device) -> object:
+        return ("event", device)
 
     @property
     def held(self) -> int:
@@ -54,11 +76,10 @@ class FakeCudart:
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch) -> FakeCudart:
-    fake = FakeCudart()
-    monkeypatch.setattr(buffers, "_cudart", lambda: fake)
-    monkeypatch.setattr(buffers, "_cuda_present", lambda: True)
-    return fake
+def fake_cuda() -> Iterator[FakeCudaHost]:
+    with buffers.use_cuda_host(FakeCudaHost()) as fake:
+        assert isinstance(fake, FakeCudaHost)
+        yield fake
 
 
 # ------------------------------------------------------------------------------- everywhere
@@ -94,6 +115,25 @@ def test_registered_memory_is_unregistered_when_its_last_view_goes(fake_cuda):
     assert ("unregister", addr, 0) in fake_cuda.calls
 
 
+def test_registration_runs_in_a_thread_of_its_own(fake_cuda):
+    """A refused cudaHostRegister stays its thread's last CUDA error, and torch reports it after
+    that thread's next kernel launch as the kernel's own failure: never in the caller's thread."""
+    buffers.aligned_empty(MiB)
+    assert fake_cuda.threads and threading.get_ident() not in fake_cuda.threads
+
+
+def test_memory_is_unregistered_by_the_runtime_that_registered_it(fake_cuda):
+    """The runtime in use may change (use_cuda_host) while registered memory lives: unlocking it
+    through another runtime would leave it locked in the first."""
+    t = buffers.aligned_empty(MiB)
+    addr = t.data_ptr()
+    other = FakeCudaHost()
+    with buffers.use_cuda_host(other):
+        del t
+        gc.collect()
+    assert addr not in fake_cuda.registered and other.calls == []
+
+
 def test_a_growing_arena_gives_back_its_old_page_locked_memory(fake_cuda):
     """The arena grows to the largest snapshot; the smaller block must not stay page-locked
     (torch's pinned allocator caches freed blocks for the life of the process)."""
@@ -111,34 +151,18 @@ def test_a_growing_arena_gives_back_its_old_page_locked_memory(fake_cuda):
     assert fake_cuda.held == 0
 
 
-def test_failed_registration_falls_back_to_torchs_pinned_memory(monkeypatch, caplog):
+def test_failed_registration_falls_back_to_torchs_pinned_memory(caplog):
     """Where cudaHostRegister is not supported, staging is still page-locked, from torch."""
-    fake = FakeCudart(fail=True)
-    asked: list[int] = []
-
-    def torch_pinned(size: int) -> torch.Tensor:  # stands in for torch.empty(pin_memory=True)
-        asked.append(size)
-        return buffers.aligned_empty(size, pin=False)
-
-    monkeypatch.setattr(buffers, "_cudart", lambda: fake)
-    monkeypatch.setattr(buffers, "_torch_pinned", torch_pinned)
-    monkeypatch.setattr(buffers, "_register_warned", False)
-    with caplog.at_level(logging.WARNING, logger="fastpersist.io.buffers"):
+    fake = FakeCudaHost(fail=True)
+    with buffers.use_cuda_host(fake), caplog.at_level(logging.WARNING, logger="fastpersist.io.buffers"):
         a = buffers.aligned_empty(MiB + 1, pin=True)
-    assert asked == [MiB + buffers.ALIGN] and a.numel() == MiB + 1 and a.data_ptr() % buffers.ALIGN == 0
+    assert fake.pinned == [MiB + buffers.ALIGN] and a.numel() == MiB + 1 and a.data_ptr() % buffers.ALIGN == 0
     assert any("pinned allocator" in r.getMessage() for r in caplog.records)
 
 
-def test_failed_registration_without_any_pinning_gives_pageable_memory_once_said(monkeypatch, caplog):
-    fake = FakeCudart(fail=True)
-
-    def no_pinning(size: int) -> torch.Tensor:
-        raise RuntimeError("no CUDA")
-
-    monkeypatch.setattr(buffers, "_cudart", lambda: fake)
-    monkeypatch.setattr(buffers, "_torch_pinned", no_pinning)
-    monkeypatch.setattr(buffers, "_register_warned", False)
-    with caplog.at_level(logging.WARNING, logger="fastpersist.io.buffers"):
+def test_failed_registration_without_any_pinning_gives_pageable_memory_once_said(caplog):
+    fake = FakeCudaHost(fail=True, can_pin=False)
+    with buffers.use_cuda_host(fake), caplog.at_level(logging.WARNING, logger="fastpersist.io.buffers"):
         a = buffers.aligned_empty(MiB, pin=True)
         b = buffers.aligned_empty(MiB, pin=True)
     a.fill_(1)
@@ -148,6 +172,21 @@ def test_failed_registration_without_any_pinning_gives_pageable_memory_once_said
     del a, b
     gc.collect()
     assert not any(c[0] == "unregister" for c in fake.calls), "unregistered memory that was never registered"
+
+
+def test_each_cuda_runtime_put_in_place_says_its_failure_once_and_leaves_on_exit(caplog):
+    """use_cuda_host: a runtime put in place says its failure once (however often it was said
+    before), and on exit the previous runtime and its "said" state come back."""
+    outer, inner = FakeCudaHost(fail=True), FakeCudaHost(fail=True)
+    with caplog.at_level(logging.WARNING, logger="fastpersist.io.buffers"):
+        with buffers.use_cuda_host(outer):
+            buffers.aligned_empty(MiB)
+            with buffers.use_cuda_host(inner):
+                buffers.aligned_empty(MiB)
+            buffers.aligned_empty(MiB)  # outer said it already
+        buffers.aligned_empty(MiB)  # the real runtime again: neither fake is called
+    assert len([r for r in caplog.records if "cudaHostRegister" in r.getMessage()]) == 2
+    assert (len(outer.calls), len(inner.calls)) == (2, 1)
 
 
 def test_copy_to_host_copies_host_bytes_exactly():
@@ -162,11 +201,10 @@ def test_an_optimizer_step_invalidates_recorded_save_points():
     """A save point (an event recorded at save()) is valid only until the next optimizer step:
     after one, a copy must not trust it (the step may have changed the storage)."""
     events = buffers.ready_events
-    events._ensure_hook()
-    marker = object()
-    with events._lock:
-        events._events[12345] = marker
-    assert events.get(12345) is marker
+    storage = SimpleNamespace(device=torch.device("cuda", 0), data_ptr=lambda: 12345)  # a guarded device storage
+    with buffers.use_cuda_host(FakeCudaHost()):
+        events.mark([storage])
+    assert events.get(12345) == ("event", torch.device("cuda", 0))
     p = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)
     p.grad = torch.ones(3)

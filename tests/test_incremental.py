@@ -435,14 +435,14 @@ def test_a_very_large_state_gets_larger_units(monkeypatch):
 
 def test_every_holder_must_find_a_chunk_unchanged():
     from fastpersist.objects import dtensor
-    from fastpersist.saving.extensions.incremental import _Reference
+    from fastpersist.saving.extensions.incremental import Reference
     from fastpersist.objects.write import PlacedExtent
 
     meta = dtensor.ChunkMeta(("w",), "float32", (64, 64), (0, 0), (64, 64))
     key = (meta.path, meta.offsets, meta.sizes)
     layout = dtensor.assign([[meta], [meta]])  # held by ranks 0 and 1 (a replicated shard)
-    def reference(writer: int) -> _Reference:
-        return _Reference("step-00000001", (), {(0, "f.bin"): (meta.nbytes, writer)}, [],
+    def reference(writer: int) -> Reference:
+        return Reference("step-00000001", (), {(0, "f.bin"): (meta.nbytes, writer)}, [],
                           {key: [((0, "f.bin"), PlacedExtent(0, 0, meta.nbytes, 0, 7))]})
 
     inc = Incremental(0, 2, reference=reference(1))

@@ -18,7 +18,7 @@ from fastpersist.errors import CheckpointWriteError, CorruptCheckpointError
 from fastpersist.io.buffers import ALIGN, BufferPool, aligned_empty
 from fastpersist.io.files import DirectFile
 from fastpersist.io.reader import ReadRequest, read_into
-from fastpersist.io.writer import Piece, _WriterThreads, write_pieces
+from fastpersist.io.writer import Piece, WriterThreads, write_pieces
 
 from conftest import fds_under, supports_direct
 
@@ -111,7 +111,7 @@ def test_refused_direct_request_falls_back(tmp_path, small_io, caplog):
     pool = BufferPool(small_io.chunk_bytes, 1, pin=False)
     try:
         assert f.is_direct
-        writers = _WriterThreads(f, pool, 1)
+        writers = WriterThreads(f, pool, 1)
         with caplog.at_level(logging.WARNING, logger="fastpersist"):
             writers.submit(memoryview(b"abc"), 1, None)  # unaligned offset, length and memory
             writers.join()
@@ -216,29 +216,29 @@ def test_reader_reports_truncation(tmp_path, small_io):
 
 def test_a_thread_that_cannot_start_strands_no_other(tmp_path, small_io, monkeypatch):
     """A lease that cannot start a thread fails the file before any request; the threads it
-    took go back idle, and the next file writes with them."""
-    from fastpersist.io import writer
-
+    took go back idle, and the next file writes with them (none ends, none new starts)."""
     cfg = dataclasses.replace(small_io, writer_threads=2)
     t = _bytes_tensor(300_000, 9)
     _write(str(tmp_path / "a"), [Piece(0, t.numel(), tensor=t)], cfg)
-    idle = writer._CREW.idle()
-    assert idle >= 2
-    started = writer._Worker
-
-    def refuse(*_: object) -> None:
-        raise RuntimeError("can't start new thread")
-
-    monkeypatch.setattr(writer, "_Worker", refuse)
-    wide = dataclasses.replace(small_io, writer_threads=idle + 1)
-    with pytest.raises(RuntimeError, match="can't start"):
-        _write(str(tmp_path / "b"), [Piece(0, t.numel(), tensor=t)], wide)
-    assert writer._CREW.idle() == idle
-    monkeypatch.setattr(writer, "_Worker", started)
     before = _writer_threads()
+    assert len(before) >= 2, "the threads that wrote the file wait, idle, for the next one"
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:  # what CPython raises at the thread limit
+        if self.name.startswith("fastpersist-writer-"):
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    wide = dataclasses.replace(small_io, writer_threads=64)  # more than are kept idle: one must start
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start"):
+            _write(str(tmp_path / "b"), [Piece(0, t.numel(), tensor=t)], wide)
+    assert os.path.getsize(tmp_path / "b") == 0, "a request was written after the lease failed"
+    assert _writer_threads() == before
     _write(str(tmp_path / "c"), [Piece(0, t.numel(), tensor=t)], cfg)
     assert open(tmp_path / "c", "rb").read() == t.numpy().tobytes()
-    assert _writer_threads() == before
+    assert _writer_threads() == before, "the next file started threads: the idle ones were stranded"
 
 
 def test_writes_run_at_their_writer_s_niceness(tmp_path, small_io):

@@ -150,15 +150,26 @@ def _read_until_stopped(seen: list[str], rebuilt: threading.Event | None = None)
     waits for its reads, the main thread is interrupted (Ctrl-C)."""
     def read(landed):
         k = 0
-        while not landed.stopped:
+        while not landed.stopped and k < _READS_AT_MOST:
             if rebuilt is not None and rebuilt.is_set() and "interrupted" not in seen:
                 seen.append("interrupted")
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             landed.add(k, 1)
             k += 1
             time.sleep(0.001)  # a read's pace; the loop ends on the stop, not on time
-        seen.append("stopped")
+        seen.append("stopped" if landed.stopped else "never stopped")
     return read
+
+
+_READS_AT_MOST = 60_000  # a minute at least: the reads end by themselves only if the load never stops them
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt in these tests, whatever handler the process had."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_an_interrupt_during_the_rebuild_stops_the_reads():
@@ -181,34 +192,41 @@ def test_an_interrupt_while_the_load_waits_for_its_reads_stops_them():
     assert seen == ["interrupted", "stopped"], "the load returned before its reads ended"
 
 
-def test_a_failed_read_of_one_file_is_reported_not_the_stop_it_caused_in_another(tmp_path, monkeypatch):
-    import fastpersist.objects.read as objects_read
-
-    monkeypatch.setattr(objects_read, "_FILES_AT_ONCE", 2)
+def test_a_failed_read_of_one_file_is_reported_not_the_stop_it_caused_in_another(tmp_path):
+    """Files read side by side (read_files_at_once=2): a failed read of one file stops the other
+    file's reads, and the load must report the failure, not the ReadsStopped it caused."""
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     with fastpersist.Checkpointer(roots) as ck:
         ck.save(1, {"w": torch.randn(4 << 20), "v": torch.randn(4 << 20)})
     backend = _FailingDataReads(str(tmp_path / "b"))
-    config = fastpersist.IOConfig(read_chunk_bytes=1 << 20)
+    config = fastpersist.IOConfig(read_chunk_bytes=1 << 20, read_files_at_once=2)  # both files side by side
     with pytest.raises(CheckpointReadError, match="injected") as e:
         fastpersist.open(roots, backend=backend, config=config).load(1)
     assert not isinstance(e.value, ReadsStopped) and str(tmp_path / "b") in str(e.value)
+    in_b = [path.startswith(backend.under) for path in backend.reads]
+    assert True in in_b and False in in_b[in_b.index(True):], "the files were not read side by side"
 
 
 class _FailingDataReads(FileBackend):
-    """Fails the second read request of 1 MiB or more of the files under ``under``."""
+    """Fails the second read request of 1 MiB or more of the files under ``under``; each such
+    request of any file takes 10 ms (another file's reads are still under way when the fault
+    comes), and ``reads`` lists their paths in the order they began."""
 
     def __init__(self, under: str) -> None:
         super().__init__()
         self.under, self.count, self.lock = under, 0, threading.Lock()
+        self.reads: list[str] = []
 
     def before_read(self, path, offset, nbytes):
-        if nbytes is not None and nbytes >= 1 << 20 and path.startswith(self.under):
+        if nbytes is None or nbytes < 1 << 20:
+            return
+        self.reads.append(path)
+        if path.startswith(self.under):
             with self.lock:
                 self.count += 1
                 if self.count == 2:
                     raise OSError(errno.EIO, "injected read fault")
-            time.sleep(0.01)
+        time.sleep(0.01)
 
 
 # ------------------------------------------------------- when the rebuild may overlap the reads

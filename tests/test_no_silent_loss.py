@@ -540,18 +540,18 @@ def test_resaving_the_latest_step_abandons_nothing(tmp_path, caplog):
 
 def test_torch_internals_are_checked(monkeypatch):
     """torch's private serialization calls live in one module, which names what differs."""
-    from fastpersist import _torch
+    from fastpersist import torch_internals
 
-    _torch.check.cache_clear()
-    _torch.check()  # the installed torch is a tested one
+    torch_internals.check.cache_clear()
+    torch_internals.check()  # the installed torch is a tested one
     monkeypatch.delattr(torch.serialization, "_get_storage_alignment")
-    _torch.check.cache_clear()
+    torch_internals.check.cache_clear()
     try:
         with pytest.raises(fp.UnsupportedTorchError, match="_get_storage_alignment is missing"):
-            _torch.storage_alignment()
+            torch_internals.storage_alignment()
     finally:
         monkeypatch.undo()
-        _torch.check.cache_clear()
+        torch_internals.check.cache_clear()
 
 
 def test_eio_on_read_names_the_file_and_storage(tmp_path):

@@ -154,14 +154,14 @@ class Checkpointer(ReadMethods):
         # Checkpointer is collected, or at exit: never left to the interpreter's teardown.
         close_comm = getattr(self.comm, "close", None) if comm is None else None
         self._close_comm = weakref.finalize(self, close_comm) if close_comm is not None else None
-        self.roots, hosts, self.nodes, store = _roots_everywhere(self.comm, paths, options)
+        self.backend = backend or FileBackend()
+        self.roots, hosts, self.nodes, store = _roots_everywhere(self.comm, paths, options, self.backend)
         self.writer_ranks = writer_ranks(writers, hosts if self.nodes.count == 1 else self.nodes.per_rank())
         self.redundancy = check_redundancy(options.nodes.redundancy, self.nodes, self.writer_ranks)
         if block is not None and self.nodes.count > 1:
             raise ValueError("incremental=True needs every root on one node (or one shared filesystem): a checkpoint "
                              f"reuses the last one's files by hard links, and this job spans {self.nodes.count} nodes")
         self.mode = mode
-        self.backend = backend or FileBackend()
         self._config = config
         self.options = options
         self.check_replicated = bool(check_replicated)
@@ -173,8 +173,8 @@ class Checkpointer(ReadMethods):
         self._publish = Publish(len(self.roots), self.nodes.count, store is not None)
         self._protocol = self._save_protocol(clean_start, self._extensions(block, store, timeout_s))
         self._view = CheckpointView(self.roots, config=config, backend=self.backend)
-        self._tiers = Tiers(self._view, durable_view(store, config, self.roots[0]) if store is not None else None,
-                            self.comm, self.nodes, self._current_config)
+        durable_reads = durable_view(store, config, self.roots[0], self.backend) if store is not None else None
+        self._tiers = Tiers(self._view, durable_reads, self.comm, self.nodes, self._current_config)
         _at_exit(_finish_at_exit, weakref.ref(self))
 
     def _extensions(self, block: int | None, store: Store | None, timeout_s: float) -> list[Extension]:
@@ -187,7 +187,8 @@ class Checkpointer(ReadMethods):
             NodeCopies(self.nodes, rank, self.roots, self.backend, self.redundancy, getattr(self.comm, "exchange", None))
             if self.nodes.count > 1 else None,
             DurableDrain(store, self.roots, rank, self.options.durable, self.options.retention.abandoned, timeout_s,
-                         self.config.drain_nice) if store is not None and self.options.durable is not None else None,
+                         self.config.drain_nice, self.backend)
+            if store is not None and self.options.durable is not None else None,
             self._publish,
         ]
         return [ext for ext in chosen if ext is not None]
@@ -356,7 +357,7 @@ class _RootsReport:
     redundancy: int | None
 
 
-def _roots_everywhere(comm: Comm, paths: list[str], options: Options
+def _roots_everywhere(comm: Comm, paths: list[str], options: Options, backend: FileBackend
                       ) -> tuple[list[str], list[str], NodeMap, Store | None]:
     """Check the roots, the node id and the durable location on every rank; if any rank finds
     them unusable, or the ranks were given different durable locations, or ranks of one node
@@ -370,7 +371,7 @@ def _roots_everywhere(comm: Comm, paths: list[str], options: Options
     try:
         me = node_id(options.nodes.node, host)
         roots = check_roots(paths)
-        store = open_store(options.durable.location) if options.durable is not None else None
+        store = open_store(options.durable.location, backend) if options.durable is not None else None
         if isinstance(store, DirStore) and any(os.path.realpath(store.url) == os.path.realpath(r) for r in roots):
             raise ValueError(f"durable: {store.url} is one of the local roots; the durable tier must be elsewhere")
     except (ValueError, TypeError, ImportError, CheckpointWriteError) as e:

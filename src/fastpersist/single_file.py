@@ -33,7 +33,7 @@ from fastpersist.errors import (
 from fastpersist.format import integrity, references, skeleton, torchzip
 from fastpersist.storage.backend import FileBackend
 from fastpersist.io.buffers import align_down, align_up, memory_view, shared_pool
-from fastpersist.io.files import DirectFile, file_size, preallocate, pwrite_all
+from fastpersist.io.files import DirectFile, file_size, preallocate
 from fastpersist.io.reader import Landed, ReadRequest, allocate, read_into, read_then_rebuild
 from fastpersist.io.writer import Piece, write_pieces
 
@@ -60,14 +60,14 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
     seam (default: real files; see :mod:`fastpersist.storage.faults`).
     """
     cfg = config or get_config()
-    io = backend or FileBackend()
+    files = backend or FileBackend()  # every file operation below goes through it
     path = os.fspath(path)
     start = time.perf_counter()
-    directory = check_directory(path)
+    directory = check_directory(path, files)
     layout = torchzip.layout(obj, phase_from=cfg.zero_copy_min_bytes, phased=cfg.single_file_zero_copy)
     temp = temp_path_for(path)
     try:
-        file = io.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.direct, 0)
+        file = files.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.direct, 0)
     except OSError as e:
         raise CheckpointWriteError(f"cannot save {path}: cannot create a file in {directory}: {e.strerror or e}") from e
     try:
@@ -78,20 +78,18 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
             file_direct = file.is_direct  # False if the filesystem refused O_DIRECT on the way
             digests.update(layout.small_digests)
             tail = memoryview(layout.finish_tail(digests))
-            if file.on_write is not None:
-                file.on_write(layout.body_end, len(tail))
-            pwrite_all(file.fd, tail, layout.body_end)
-            io.fsync(file)
+            files.pwrite(file, tail, layout.body_end)
+            files.fsync(file)
         except OSError as e:
             raise CheckpointWriteError(f"cannot save {path}: {e.strerror or e}") from e
         finally:
             file.close()
         try:
-            io.replace(temp, path)
+            files.replace(temp, path)
         except OSError as e:
             raise CheckpointWriteError(f"cannot publish {path}: {e.strerror or e}") from e
         try:
-            io.fsync_dir(directory)
+            files.fsync_dir(directory)
         except OSError as e:  # past the rename: the new file is complete, its name maybe not durable
             raise CheckpointWriteError(
                 f"{path} was replaced by the new, complete file, but its directory {directory} could not be "
@@ -99,8 +97,8 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
             ) from e
     except BaseException:
         with contextlib.suppress(OSError):  # keep the original error
-            if os.path.lexists(temp):
-                io.unlink(temp)
+            if files.exists(temp):
+                files.unlink(temp)
         raise
     seconds = time.perf_counter() - start
     logger.debug("saved %s (%d bytes, %s) in %.3f s", path, layout.file_size,

@@ -16,11 +16,11 @@ import importlib
 import sys
 
 # name: (module, function, one-line help)
-_COMMANDS = {
-    # demo and bench run the programs of a source checkout's benchmarks/ (see _programs)
-    "demo": ("fastpersist.cli._programs", "demo_main",
+COMMANDS = {
+    # demo and bench run the programs of a source checkout's benchmarks/ (see programs)
+    "demo": ("fastpersist.cli.programs", "demo_main",
              "train small models with a checkpoint every iteration; crash and resume"),
-    "bench": ("fastpersist.cli._programs", "bench_main", "benchmark save/load against torch.save, DCP and the device"),
+    "bench": ("fastpersist.cli.programs", "bench_main", "benchmark save/load against torch.save, DCP and the device"),
     "ls": ("fastpersist.cli.checkpoints", "ls_main", "list the checkpoints under a root"),
     "inspect": ("fastpersist.cli.checkpoints", "inspect_main",
                 "describe a checkpoint and list its tensors (key, dtype, shape, bytes)"),
@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
                                 description="Fast PyTorch checkpoints: benchmark, inspect, verify, convert.")
     p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True)
-    for name, (_, _, help_text) in _COMMANDS.items():
+    for name, (_, _, help_text) in COMMANDS.items():
         # add_help=False: `fastpersist demo --help` reaches the demo's own parser
         sub.add_parser(name, help=help_text, add_help=False)
     return p
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastpersist: unrecognized arguments before {command!r}: "
               f"{' '.join(args[:args.index(command)])}", file=sys.stderr)
         return 2
-    module_name, function, _ = _COMMANDS[command]
+    module_name, function, _ = COMMANDS[command]
     return int(getattr(importlib.import_module(module_name), function)(rest))
 
 

@@ -29,8 +29,8 @@ from fastpersist.storage import catalog
 from fastpersist import timeline
 from fastpersist.tiers.durable.store import is_url
 from fastpersist.objects.verify import Problem, verify
-from fastpersist.cli._progress import Progress, ProgressBackend, wanted
-from fastpersist.cli._units import rate, size
+from fastpersist.cli.progress import Progress, ProgressBackend, wanted
+from fastpersist.cli.units import rate, size
 from fastpersist.config import get_config
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fastpersist import _torch
+from fastpersist import torch_internals
 from fastpersist.errors import CheckpointReadError, CorruptCheckpointError
 from fastpersist.format import zipdir
 
@@ -101,7 +101,7 @@ def small_records() -> dict[str, bytes]:
     """torch's small records beside ``data.pkl``."""
     return {
         ".format_version": b"1",
-        ".storage_alignment": str(_torch.storage_alignment()).encode(),
+        ".storage_alignment": str(torch_internals.storage_alignment()).encode(),
         "byteorder": sys.byteorder.encode(),
     }
 
@@ -167,9 +167,9 @@ def rebuild(path: str, archive: ArchiveView, storage: torch.UntypedStorage | Non
     goes wrong inside torch's loader (a damaged pickle or small record) is a
     :class:`CheckpointReadError` naming ``path``.
     """
-    pickle_module: Any = _torch.weights_only_unpickler() if weights_only else pickle
+    pickle_module: Any = torch_internals.weights_only_unpickler() if weights_only else pickle
     try:
-        return _torch.load_records(archive, map_location, pickle_module, storage)
+        return torch_internals.load_records(archive, map_location, pickle_module, storage)
     except pickle.UnpicklingError as e:
         if weights_only:
             raise CheckpointReadError(

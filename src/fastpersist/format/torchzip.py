@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from fastpersist import _torch
+from fastpersist import torch_internals
 from fastpersist.errors import CorruptCheckpointError, UnsaveableObjectError, UnsupportedFormatError
 from fastpersist.format import jsondoc, zipdir, zipwrite
 
@@ -150,7 +150,7 @@ def _trailing_records(have: set[str]) -> list[tuple[str, bytes]]:
     ``.data/serialization_id``: a new id for every file), taken from torch's own writer closing
     an empty archive, less those ``have`` holds."""
     sink = _Sink()
-    writer = _torch.file_writer(sink, False, zipwrite.RECORD_ALIGNMENT)
+    writer = torch_internals.file_writer(sink, False, zipwrite.RECORD_ALIGNMENT)
     writer.write_end_of_file()
     raw = bytes(sink.buf)
     out = []
@@ -173,7 +173,7 @@ def layout(obj: object, pickle_protocol: int = 2, *, phase_from: int = 1 << 20, 
     """
     rec = _Recorder()
     try:
-        _torch.save_records(obj, rec, pickle, pickle_protocol)
+        torch_internals.save_records(obj, rec, pickle, pickle_protocol)
     except UnsaveableObjectError:
         raise
     except Exception as e:

@@ -11,14 +11,17 @@ under ``path`` once committed, before its handle completes. No thread of the int
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 from typing import Any
 
 from fastpersist.checkpointer import Checkpointer, list_checkpoints
 from fastpersist.errors import CheckpointError
 from fastpersist.saving.handle import SaveHandle
+from fastpersist.storage.backend import REAL_FILES, FileBackend
 from fastpersist.storage.publish import sweep
+
+logger = logging.getLogger(__name__)
 
 STAGING = ".fastpersist-staging"
 
@@ -49,6 +52,12 @@ class NamedCheckpoints:
         self._checkpointers: dict[str, Checkpointer] = {}  # staging root -> its Checkpointer
         self._next: dict[str, int] = {}
 
+    @property
+    def backend(self) -> FileBackend:
+        """The file seam of the checkpoints' folders: the Checkpointers' (``backend=``), else real files."""
+        backend = self.kwargs.get("backend")
+        return backend if isinstance(backend, FileBackend) else REAL_FILES
+
     def save(self, state: Any, path: str, rank_state: Any = None) -> SaveHandle:
         """Start saving ``state`` as ``path`` (a directory); the handle completes once ``path``
         holds it (in the background, unless the mode is sync). Checkpoints in several folders
@@ -70,7 +79,7 @@ class NamedCheckpoints:
             except BaseException as e:  # noqa: BLE001 - close the others, then raise
                 first = first or e
             if ck.rank == 0 and not list_checkpoints(staging):
-                shutil.rmtree(staging, ignore_errors=True)  # every checkpoint was published
+                _remove_staging(self.backend, staging)  # every checkpoint was published
         if first is not None:
             raise first
 
@@ -83,7 +92,18 @@ class NamedCheckpoints:
         comm = None if self.collective else "local"
         ck = Checkpointer(staging, mode=self.mode, comm=comm, **self.kwargs)
         if ck.rank == 0:
-            sweep(os.path.dirname(staging))
+            sweep(os.path.dirname(staging), self.backend)
         self._checkpointers[staging] = ck
         self._next[staging] = 0
         return ck
+
+
+def _remove_staging(backend: FileBackend, staging: str) -> None:
+    """Remove an emptied staging root (best effort: a later run reuses or removes it)."""
+    def ignore(path: str, e: OSError) -> None:
+        logger.debug("could not remove %s: %s", path, e.strerror or e)
+
+    try:
+        backend.rmtree(staging, ignore)
+    except OSError as e:
+        ignore(staging, e)

@@ -127,7 +127,7 @@ class FastPersistCheckpointIO(CheckpointIO):
         path = os.path.abspath(os.fspath(path))
         rank0 = not self.collective or dist.get_rank() == 0
         if rank0:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._named.backend.makedirs(os.path.dirname(path))
         if self.format == "file":
             if rank0:
                 save_file(checkpoint, path, config=self.config)
@@ -151,7 +151,8 @@ class FastPersistCheckpointIO(CheckpointIO):
         path = os.path.abspath(os.fspath(path))
         self._wait_for(path)
         only = True if weights_only is None else weights_only
-        if os.path.isdir(path) or os.path.isdir(path + ".fp-old"):
+        files = self._named.backend
+        if files.is_dir(path) or files.is_dir(path + ".fp-old"):
             return load_directory(path, map_location, only)
         return load_file(path, map_location, weights_only=only, config=self.config)
 
@@ -159,7 +160,7 @@ class FastPersistCheckpointIO(CheckpointIO):
         """Remove the checkpoint at ``path`` (file or directory), once written if in flight."""
         path = os.path.abspath(os.fspath(path))
         self._wait_for(path)
-        remove_published(path)
+        remove_published(path, self._named.backend)
 
     def wait(self) -> None:
         """Wait until every checkpoint in flight is published; raise the first failure."""

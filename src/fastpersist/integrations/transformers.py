@@ -44,8 +44,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +57,7 @@ from fastpersist.errors import CheckpointError, CheckpointNotFoundError
 from fastpersist.format import manifest as mf
 from fastpersist.integrations import _fsdp2 as fsdp2
 from fastpersist.state import RNGState
+from fastpersist.storage.backend import REAL_FILES, FileBackend
 from fastpersist.tiers.resolve import open as open_view
 
 logger = logging.getLogger(__name__)
@@ -94,6 +93,12 @@ class FastPersistTrainer(Trainer):
         self._fp: Checkpointer | None = None
         self._fp_resume_dir: str | None = None
         self._fp_loaded: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+
+    @property
+    def _fp_files(self) -> FileBackend:
+        """The file seam given in ``fastpersist_kwargs`` (``backend``), else real files."""
+        backend = self.fastpersist_kwargs.get("backend")
+        return backend if isinstance(backend, FileBackend) else REAL_FILES
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -159,16 +164,20 @@ class FastPersistTrainer(Trainer):
             return self._train_and_wait(None, trial, ignore_keys_for_eval, **kwargs)
         step_dir = self._step_dir(resume_from_checkpoint)
         self._fp_loaded = self._read(step_dir)
-        self._fp_resume_dir = tempfile.mkdtemp(prefix="fastpersist-resume-")
+        files = self._fp_files
+        self._fp_resume_dir = files.make_temp_dir("fastpersist-resume-")
         try:
             doc = json.loads(self._fp_loaded[0]["trainer_state"])
             doc.update(is_local_process_zero=self.is_local_process_zero(),  # this process's, not the saver's
                        is_world_process_zero=self.is_world_process_zero())
-            with open(os.path.join(self._fp_resume_dir, TRAINER_STATE_NAME), "w") as f:
-                json.dump(doc, f, indent=2, sort_keys=True)
+            files.write_small(os.path.join(self._fp_resume_dir, TRAINER_STATE_NAME),
+                              json.dumps(doc, indent=2, sort_keys=True).encode(), -1)
             return self._train_and_wait(self._fp_resume_dir, trial, ignore_keys_for_eval, **kwargs)
         finally:
-            shutil.rmtree(self._fp_resume_dir, ignore_errors=True)
+            try:
+                files.rmtree(self._fp_resume_dir, lambda p, e: logger.debug("could not remove %s: %s", p, e))
+            except OSError as e:
+                logger.debug("could not remove %s: %s", self._fp_resume_dir, e)
             self._fp_resume_dir = None
             self._fp_loaded = None
 
@@ -183,7 +192,7 @@ class FastPersistTrainer(Trainer):
 
     def _step_dir(self, which: str | bool | int) -> str:
         """The step directory (first root) of the checkpoint ``which`` names."""
-        if isinstance(which, str) and os.path.isdir(which):
+        if isinstance(which, str) and self._fp_files.is_dir(which):
             return os.path.abspath(which)
         committed = [c for c in list_checkpoints(os.path.abspath(self.fastpersist_roots[0])) if c.committed]
         if which is True:

@@ -10,7 +10,9 @@ present they are page-locked with ``cudaHostRegister`` on memory fastpersist map
 every request up to a power of two and keeps freed blocks cached for the life of the process,
 so a 32 MiB buffer (plus alignment slack) took 64 MiB of page-locked memory and a snapshot
 arena of 1.1 GiB took 2 GiB, the old one still held after the arena grew. Registered memory is
-exactly the size asked for and is unregistered and unmapped when its last view goes.
+exactly the size asked for and is unregistered and unmapped when its last view goes. Every
+CUDA runtime call made here goes through :class:`CudaHost`; :func:`use_cuda_host` replaces it
+(a fake runtime runs this path without a device).
 
 The pool keeps its buffers for the life of the process: first touch of fresh memory is several
 times slower than reuse on virtual machines that hand idle guest memory back to the host.
@@ -85,40 +87,106 @@ def fault_in(addr: int, nbytes: int) -> None:
             ctypes.memset(addr + start, 0, n)
 
 
-def _cuda_present() -> bool:
-    return torch.cuda.is_available()
-
-
-def _cudart() -> Any:
-    return torch.cuda.cudart()
-
-
 _CUDA_HOST_REGISTER_PORTABLE = 1  # page-locked for every CUDA context, as torch's own stager does
+
+
+class CudaHost:
+    """The CUDA runtime calls staging makes on the host: whether a device is there,
+    page-locking memory (``cudaHostRegister``) and unlocking it, torch's pinned allocator (the
+    fallback), and the events that mark a save point (:data:`ready_events`).
+
+    This class is the real runtime. :func:`use_cuda_host` puts another implementation in its
+    place, process-wide: a fake one runs the page-locked path without a device (the tests), an
+    instrumented one counts what is locked. A subclass overrides what it changes.
+    """
+
+    def present(self) -> bool:
+        """Whether a CUDA device is there (staging memory is then page-locked by default)."""
+        return torch.cuda.is_available()
+
+    def register(self, addr: int, size: int) -> int:
+        """Page-lock ``size`` bytes at ``addr`` for every CUDA context; the CUDA error code
+        (0: success). Called in a throwaway thread, so that a refusal (which stays its thread's
+        last CUDA error) never reaches training's threads; an exception counts as a failure."""
+        return int(torch.cuda.cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE))
+
+    def unregister(self, addr: int) -> int:
+        """Unlock the memory registered at ``addr``; the CUDA error code (0: success)."""
+        return int(torch.cuda.cudart().cudaHostUnregister(addr))
+
+    def torch_pinned(self, size: int) -> torch.Tensor:
+        """``size`` bytes from torch's pinned allocator, page-aligned (its blocks are); raises
+        RuntimeError where torch cannot pin memory."""
+        raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
+        raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
+        pad = (-raw.data_ptr()) % ALIGN
+        return raw[pad : pad + size]
+
+    def record_event(self, device: torch.device) -> Any:
+        """A CUDA event recorded now on ``device``'s current stream: copies of that device's
+        memory wait for it (``Stream.wait_event``) instead of for the whole device."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        return ev
+
+
+_cuda_host = CudaHost()
+_register_warned = False
+
+
+class _UsingCudaHost:
+    """Returned by :func:`use_cuda_host`: already in effect; as a context manager it restores."""
+
+    def __init__(self, previous: CudaHost, warned: bool) -> None:
+        self._previous = previous
+        self._warned = warned
+
+    def __enter__(self) -> CudaHost:
+        return _cuda_host
+
+    def __exit__(self, *exc: object) -> None:
+        global _cuda_host, _register_warned
+        _cuda_host, _register_warned = self._previous, self._warned
+
+
+def use_cuda_host(host: CudaHost) -> _UsingCudaHost:
+    """Make ``host`` the CUDA runtime that staging calls, process-wide, from now on; ``with
+    use_cuda_host(host):`` puts the previous one back on exit.
+
+    The failure to page-lock memory is said once per runtime: a new one may say it again (the
+    "said once" state is reset here, and restored on exit). Memory already page-locked is
+    unlocked by the runtime that locked it, whichever is in use when its last view goes.
+    """
+    global _cuda_host, _register_warned
+    using = _UsingCudaHost(_cuda_host, _register_warned)
+    _cuda_host, _register_warned = host, False
+    return using
 
 
 class _RegisteredMemory(mmap.mmap):
     """Anonymous, page-aligned memory, page-locked with ``cudaHostRegister`` while it lives.
 
     ``torch.frombuffer`` keeps this object alive as long as any tensor views it; when the last
-    view goes, :meth:`__del__` unregisters the range before the mapping is unmapped (memory
-    must never be unmapped while the driver holds it registered).
+    view goes, :meth:`__del__` unregisters the range (through the runtime that registered it)
+    before the mapping is unmapped (memory must never be unmapped while the driver holds it
+    registered).
     """
 
     registered: int = 0  # the registered address, 0 if registration failed
+    host: CudaHost | None = None  # the runtime that registered it
 
     def __del__(self) -> None:
         addr, self.registered = self.registered, 0
-        if not addr:
+        if not addr or self.host is None:
             return
         try:
-            err = int(_cudart().cudaHostUnregister(addr))
+            err = self.host.unregister(addr)
             if err:
                 logger.warning("cudaHostUnregister of staging memory at %#x failed (%d)", addr, err)
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown (module state gone): the process is ending
             pass
-
-
-_register_warned = False
 
 
 def pinned_empty(nbytes: int) -> torch.Tensor:
@@ -129,16 +197,17 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     rounded up to a power of two), and failing that, pageable memory (slower copies); either
     fallback is logged once.
     """
+    host = _cuda_host
     size = align_up(max(nbytes, 1))
     mem = _RegisteredMemory(-1, size)
     tensor = torch.frombuffer(mem, dtype=torch.uint8)  # keeps ``mem`` alive while any view lives
     addr = tensor.data_ptr()
-    err = _register(addr, size)
+    err = _register(host, addr, size)
     if err == 0:
-        mem.registered = addr
+        mem.registered, mem.host = addr, host
         return tensor[:nbytes]
     try:
-        fallback = _torch_pinned(size)
+        fallback = host.torch_pinned(size)
         how = "torch's pinned allocator is used instead (it rounds sizes up to a power of two)"
     except RuntimeError as e:
         fallback, how = tensor, f"staging memory stays pageable and device-to-host copies are slower ({e})"
@@ -146,7 +215,7 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return fallback[:nbytes]
 
 
-def _register(addr: int, size: int) -> int:
+def _register(host: CudaHost, addr: int, size: int) -> int:
     """``cudaHostRegister`` in a thread of its own; returns the CUDA error code (0: success).
 
     A failed CUDA runtime call stays its thread's "last error", and torch's check after its
@@ -157,7 +226,7 @@ def _register(addr: int, size: int) -> int:
 
     def run() -> None:
         try:
-            out.append(int(_cudart().cudaHostRegister(addr, size, _CUDA_HOST_REGISTER_PORTABLE)))
+            out.append(int(host.register(addr, size)))
         except Exception as e:  # noqa: BLE001 - reported as a failed registration
             logger.debug("cudaHostRegister raised %s", e)
 
@@ -165,16 +234,6 @@ def _register(addr: int, size: int) -> int:
     t.start()
     t.join()
     return out[0] if out else -1
-
-
-def _torch_pinned(size: int) -> torch.Tensor:
-    """``size`` bytes from torch's pinned allocator, page-aligned (its blocks are)."""
-    raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    if raw.data_ptr() % ALIGN == 0:
-        return raw
-    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
-    pad = (-raw.data_ptr()) % ALIGN
-    return raw[pad : pad + size]
 
 
 def _warn_once(message: str) -> None:
@@ -192,7 +251,7 @@ def aligned_empty(nbytes: int, pin: bool | None = None) -> torch.Tensor:
     allocation of torch's CPU allocator, which it keeps alive.
     """
     if pin is None:
-        pin = _cuda_present()
+        pin = _cuda_host.present()
     if pin:
         return pinned_empty(nbytes)
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
@@ -311,8 +370,7 @@ class _ReadyEvents:
                 continue
             ev = events.get(s.device)
             if ev is None:
-                ev = events[s.device] = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(s.device))
+                ev = events[s.device] = _cuda_host.record_event(s.device)
             marks[s.data_ptr()] = ev
         if not marks:
             return

@@ -19,6 +19,10 @@ Pieces with a ``tag`` are hashed (xxh3-64) in file order while they pass through
 snapshot copy runs, once it is over: :class:`_Hashers`), and
 :func:`write_pieces` returns the digests. Copies use ``ctypes.memmove`` and hashing uses xxhash,
 both of which release the GIL; the training thread keeps running while the writer works.
+
+A :class:`WriteObserver` (:func:`observe_writes`) is told which bytes are copied and when bytes
+are hashed. :class:`WriterThreads` is the request level underneath: aligned requests in, written
+by the file's threads.
 """
 
 from __future__ import annotations
@@ -67,6 +71,48 @@ class Piece:
     @property
     def end(self) -> int:
         return self.offset + self.nbytes
+
+
+class WriteObserver:
+    """What the writer does with the pieces' bytes, told as it happens; this base class ignores
+    it all. :func:`observe_writes` puts one in place, process-wide: to profile a write path (the
+    bytes copied on their way to the file against those written straight from memory, when
+    hashing runs) or to check one in a test. Its methods run on the thread that writes the
+    file, in its innermost loop: they must be quick and must not raise.
+    """
+
+    def copied(self, piece: Piece, nbytes: int) -> None:
+        """``nbytes`` of ``piece`` are copied on their way to the file (into a staging buffer,
+        or the buffered last page); what is never told here is written from its own memory."""
+
+    def hashed(self, tag: Hashable, nbytes: int) -> None:
+        """``nbytes`` of the piece tagged ``tag`` are hashed, now (called just before)."""
+
+
+_observer: WriteObserver | None = None
+
+
+class _Observing:
+    """Returned by :func:`observe_writes`: already in effect; as a context manager it restores."""
+
+    def __init__(self, previous: WriteObserver | None) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> WriteObserver | None:
+        return _observer
+
+    def __exit__(self, *exc: object) -> None:
+        global _observer
+        _observer = self._previous
+
+
+def observe_writes(observer: WriteObserver | None) -> _Observing:
+    """Tell ``observer`` what every write does from now on (None: no one); ``with
+    observe_writes(observer):`` puts the previous observer back on exit."""
+    global _observer
+    observing = _Observing(_observer)
+    _observer = observer
+    return observing
 
 
 @dataclass(frozen=True)
@@ -130,6 +176,8 @@ class _Hashers:
         return self._later is not None
 
     def _now(self, tag: Hashable, view: memoryview) -> None:
+        if _observer is not None:
+            _observer.hashed(tag, len(view))
         h = self._h.get(tag)
         if h is None:
             h = self._h[tag] = xxhash.xxh3_64()
@@ -159,6 +207,8 @@ class _Hashers:
         if self._later is not None:
             self._later.append((tag, memory_view(addr, len(staged))))
         else:
+            if _observer is not None:
+                _observer.hashed(tag, len(staged))
             self._whole[tag] = xxhash.xxh3_64_intdigest(staged)
 
     def catch_up(self, budget: int | None = None) -> None:
@@ -192,6 +242,8 @@ class _Hashers:
 def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers: _Hashers) -> None:
     """Copy one segment into a staging buffer at ``dst`` and hash it."""
     p = seg.piece
+    if _observer is not None:
+        _observer.copied(p, seg.nbytes)
     if p.data is not None:
         src = memoryview(p.data)[seg.start : seg.start + seg.nbytes]
         buf_view[dst : dst + seg.nbytes] = src
@@ -218,9 +270,15 @@ def _fill(buf_addr: int, buf_view: memoryview, seg: _Segment, dst: int, hashers:
         done += n
 
 
-class _WriterThreads:
+class WriterThreads:
     """The writer threads of one file, taking (view, offset, buffer) requests; the first error
     stops them all.
+
+    The caller makes it (``count`` threads, leased at once: a thread that cannot start fails
+    it), :meth:`submit` s requests in any order, then :meth:`join` s, which raises the first
+    error. A request is written with O_DIRECT while the file has it; one the filesystem refuses
+    with EINVAL is written again through the buffered descriptor, and O_DIRECT is dropped for the
+    file. The buffer of a request, if any, goes back to ``pool`` once it is written or dropped.
 
     The threads are leased from a crew kept between files (:class:`_Crew`): starting threads
     for every file cost each save about a millisecond of GIL time, taken from training.
@@ -240,6 +298,8 @@ class _WriterThreads:
         _CREW.lease(self, count)
 
     def submit(self, view: memoryview, offset: int, buf: StagingBuffer | None) -> None:
+        """Write ``view`` at ``offset`` (``buf``: the pool's buffer it lies in, or None); after
+        an error the request is dropped. Blocks while the queue is full."""
         if self.error is not None:
             if buf is not None:
                 self.pool.release(buf)
@@ -303,10 +363,10 @@ class _Worker:
     def __init__(self, crew: _Crew, number: int, nice: int) -> None:
         self._crew = crew
         self.nice = nice
-        self._files: queue.SimpleQueue[_WriterThreads | None] = queue.SimpleQueue()
+        self._files: queue.SimpleQueue[WriterThreads | None] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=f"fastpersist-writer-{number}", daemon=True).start()
 
-    def serve(self, writers: _WriterThreads) -> None:
+    def serve(self, writers: WriterThreads) -> None:
         self._files.put(writers)
 
     def retire(self) -> None:
@@ -352,7 +412,7 @@ class _Crew:
         self._started = 0
         os.register_at_fork(after_in_child=self._forget)
 
-    def lease(self, writers: _WriterThreads, count: int) -> None:
+    def lease(self, writers: WriterThreads, count: int) -> None:
         """Give ``writers`` ``count`` threads; if a thread cannot be started, none is given and
         the threads taken go back."""
         nice = _niceness()
@@ -448,7 +508,7 @@ def write_pieces(
     end = index.pieces[-1].end
     direct_end = align_down(end) if file.is_direct else end
     hashers = _Hashers(defer=filling())
-    writers = _WriterThreads(file, pool, config.writer_threads)
+    writers = WriterThreads(file, pool, config.writer_threads)
     try:
         staged_from = 0
         for p in index.pieces:
@@ -478,7 +538,7 @@ def write_pieces(
 
 
 def _staged(
-    writers: _WriterThreads,
+    writers: WriterThreads,
     index: _Pieces,
     start: int,
     end: int,
@@ -487,6 +547,7 @@ def _staged(
     hashers: _Hashers,
 ) -> None:
     """Copy [start, end) through the pool in chunk-sized requests."""
+    observer = _observer
     pos = start
     while pos < end:
         if writers.error is not None:
@@ -504,6 +565,8 @@ def _staged(
                     ctypes.memset(buf.addr + filled, 0, dst - filled)
                 if piece.addr is not None and seg.nbytes == piece.nbytes <= _STEP:  # a whole small piece
                     wait_filled(piece.addr, seg.nbytes)  # a snapshot still being copied (fills.py)
+                    if observer is not None:
+                        observer.copied(piece, seg.nbytes)
                     ctypes.memmove(buf.addr + dst, piece.addr, seg.nbytes)
                     hashers.whole(piece.tag, buf.view[dst : dst + seg.nbytes], piece.addr)
                 else:
@@ -520,7 +583,7 @@ def _staged(
 
 
 def _direct(
-    writers: _WriterThreads, piece: Piece, skip: int, nbytes: int, config: IOConfig, hashers: _Hashers
+    writers: WriterThreads, piece: Piece, skip: int, nbytes: int, config: IOConfig, hashers: _Hashers
 ) -> None:
     """Write ``nbytes`` of ``piece`` from byte ``skip`` straight from its memory (no copy)."""
     addr = _cpu_address(piece)

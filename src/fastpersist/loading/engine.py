@@ -25,19 +25,22 @@ from fastpersist.objects import dtensor
 from fastpersist.objects import read as objread
 from fastpersist.objects.files import check_unverified
 from fastpersist.state import restore_into, to_saveable
-from fastpersist.storage.backend import FileBackend
+from fastpersist.storage.backend import REAL_FILES, FileBackend
 
 
-def present_in(dirs: Sequence[str], manifest: mf.Manifest) -> Callable[[mf.ExtentEntry], copies.Location | None]:
+def present_in(dirs: Sequence[str], manifest: mf.Manifest,
+               backend: FileBackend | None = None) -> Callable[[mf.ExtentEntry], copies.Location | None]:
     """A chooser for :func:`copies.localize`: the first location whose file is under ``dirs``
-    (a regular file of at least its listed size)."""
+    (a regular file of at least its listed size, as ``backend`` finds it: default real files)."""
     here: dict[int, bool] = {}
+    files = backend or REAL_FILES
 
     def present(f: int) -> bool:
         if f not in here:
             entry = manifest.files[f]
             try:
-                st = os.lstat(os.path.join(dirs[entry.root], entry.name)) if entry.root < len(dirs) else None
+                st = files.stat(os.path.join(dirs[entry.root], entry.name), follow=False) \
+                    if entry.root < len(dirs) else None
             except OSError:
                 st = None
             here[f] = st is not None and stat.S_ISREG(st.st_mode) and st.st_size >= entry.size
@@ -46,13 +49,13 @@ def present_in(dirs: Sequence[str], manifest: mf.Manifest) -> Callable[[mf.Exten
     return lambda e: next((loc for loc in e.locations() if present(loc[0])), None)
 
 
-def local_copies(dirs: Sequence[str], manifest: mf.Manifest) -> mf.Manifest:
+def local_copies(dirs: Sequence[str], manifest: mf.Manifest, backend: FileBackend | None = None) -> mf.Manifest:
     """A checkpoint of a job on several nodes, as this node's roots hold it: every extent at
     its copy under ``dirs``; an error naming what has no copy there. Any other checkpoint is
     returned as it is."""
     if not manifest.nodes:
         return manifest
-    local, missing = copies.localize(manifest, present_in(dirs, manifest))
+    local, missing = copies.localize(manifest, present_in(dirs, manifest, backend))
     if missing:
         raise CheckpointReadError(
             f"{dirs[0]}: checkpoint step {manifest.step} was saved by a job on {len(manifest.nodes)} nodes and these "
@@ -95,7 +98,7 @@ def load_from(dirs: list[str], manifest: mf.Manifest, into: Mapping[str, Any] | 
 def load_state(dirs: list[str], manifest: mf.Manifest, into: Mapping[str, Any] | None, map_location: Any,
                weights_only: bool, verify: bool | None, config: IOConfig, backend: FileBackend | None = None) -> Any:
     """The replicated state with the sharded tensors in place, restored into ``into``."""
-    manifest = local_copies(dirs, manifest)
+    manifest = local_copies(dirs, manifest, backend)
     obj = load_object(dirs, manifest, mf.REPLICATED, None, map_location, weights_only, verify, config, backend)
     if manifest.sharded:
         do_verify = config.verify if verify is None else verify
@@ -162,7 +165,7 @@ def load_tensors(dirs: list[str], manifest: mf.Manifest, keys: list[str], map_lo
     """The tensors named by ``keys`` (whole), reading only their bytes."""
     import torch
 
-    manifest = local_copies(dirs, manifest)
+    manifest = local_copies(dirs, manifest, backend)
     where = dirs[0]
     if manifest.version < 3:
         raise CheckpointReadError(f"{where}: checkpoint step {manifest.step} was written in format version "
@@ -232,7 +235,7 @@ def load_object(dirs: list[str], manifest: mf.Manifest, name: str, into: Mapping
                 map_location: Any, weights_only: bool, verify: bool | None, config: IOConfig,
                 backend: FileBackend | None = None) -> Any:
     """Read one object of a checkpoint; every failure is a :class:`CheckpointError`."""
-    manifest = local_copies(dirs, manifest)
+    manifest = local_copies(dirs, manifest, backend)
     do_verify = config.verify if verify is None else verify
     where = dirs[0]
     obj = _wrap(where, manifest, f"rebuild object {name!r}", lambda: objread.read_object(

@@ -24,7 +24,7 @@ from fastpersist.format import manifest as mf
 from fastpersist.loading.engine import check_keys, load_from, load_object, load_state, present_in
 from fastpersist.objects import verify as objverify
 from fastpersist.storage import catalog
-from fastpersist.storage.backend import FileBackend
+from fastpersist.storage.backend import REAL_FILES, FileBackend
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class CheckpointView:
         dirs, manifest = self._dirs(step)
         problems: builtins.list[objverify.Problem] = []
         if manifest.nodes:
-            choose = present_in(dirs, manifest)
+            choose = present_in(dirs, manifest, self.backend)
             local, missing = copies.localize(manifest, choose)
             if missing:
                 problems.append(objverify.Problem(dirs[0], "copies", None, copies.describe_missing(manifest, missing)
@@ -272,7 +272,8 @@ def load_checkpoint(path: str | os.PathLike[str], other_roots: Sequence[str | os
     return load_state(dirs, manifest, None, map_location, weights_only, verify, config or get_config())
 
 
-def checkpoint_dirs(step_path: str, other_roots: Sequence[str] = (), option: str = "other_roots") -> list[str]:
+def checkpoint_dirs(step_path: str, other_roots: Sequence[str] = (), option: str = "other_roots",
+                    backend: FileBackend | None = None) -> list[str]:
     """The directory of checkpoint ``step_path`` (in its first root) in each of its roots.
 
     ``other_roots`` given: those, in order. Otherwise, for a checkpoint over several roots, the
@@ -302,7 +303,7 @@ def checkpoint_dirs(step_path: str, other_roots: Sequence[str] = (), option: str
     dirs = [first]
     for i, r in enumerate(manifest.root_paths[1:], start=1):
         d = os.path.join(r, name)
-        if not os.path.isdir(d):
+        if not (backend or REAL_FILES).is_dir(d):
             raise CheckpointNotFoundError(f"{first}: the checkpoint's root #{i} was {r} when it was saved and {d} "
                                           f"is not there; {need}")
         dirs.append(d)

@@ -70,13 +70,6 @@ def buffer_areas(spans: Sequence[tuple[int, int]], pos: int = 0) -> tuple[list[i
     return areas, pos
 
 
-# Files read at once (each with reader_threads requests in flight). Measured on 2026-12-02 (0.5 GiB
-# written by 4 ranks, cold cache, vs single-file load): 1 file 0.93, 2 files 0.96, 4 files 0.92;
-# on 2026-12-05 (1 GiB over 2 roots, 10 alternating pairs, cold cache and memory, checksums and
-# rebuild overlapped with the reads): 1 file at a time took 0.86 [0.77-1.05] of 2 at once.
-_FILES_AT_ONCE = 1
-
-
 def read_plan(entry: mf.ObjectEntry) -> tuple[list[int], int, dict[int, list[tuple[int, int, int, int]]]]:
     """Where every storage goes in the read buffer, the buffer's size, and the reads.
 
@@ -153,7 +146,7 @@ def read_object(dirs: Sequence[str], manifest: mf.Manifest, name: str, *, map_lo
 
         def check(landed: Landed) -> None:
             if verify:
-                _verify(dirs, manifest, name, entry, bases, addr, config.reader_threads, landed)
+                _verify(dirs, manifest, name, entry, bases, addr, config, landed)
 
         try:
             return read_then_rebuild(lambda landed: read_files(files, by_file, config, landed), check, rebuild,
@@ -178,14 +171,16 @@ def _name_failed_read(e: ReadFailedError, dirs: Sequence[str], manifest: mf.Mani
 
 def read_files(files: dict[int, DirectFile], by_file: dict[int, list[ReadRequest]], config: IOConfig,
                landed: Landed | None = None) -> None:
-    """Read every file's requests, ``_FILES_AT_ONCE`` files at a time; raises the first real
-    failure (not the stop it caused in another file's reads)."""
+    """Read every file's requests, ``config.read_files_at_once`` files at a time (one at a time
+    by default: measured faster, see :class:`~fastpersist.config.IOConfig`); raises the first
+    real failure (not the stop it caused in another file's reads)."""
     order = sorted(by_file)
-    if len(order) <= 1 or _FILES_AT_ONCE == 1:
+    at_once = config.read_files_at_once
+    if len(order) <= 1 or at_once == 1:
         for f in order:
             read_into(files[f], by_file[f], config, landed=landed)
         return
-    with ThreadPoolExecutor(max_workers=min(len(order), _FILES_AT_ONCE), thread_name_prefix="fastpersist-files") as ex:
+    with ThreadPoolExecutor(max_workers=min(len(order), at_once), thread_name_prefix="fastpersist-files") as ex:
         futures = [ex.submit(read_into, files[f], by_file[f], config, None, landed) for f in order]
         wait_futures(futures)
     errors = [e for e in (f.exception() for f in futures) if e is not None]
@@ -194,15 +189,15 @@ def read_files(files: dict[int, DirectFile], by_file: dict[int, list[ReadRequest
 
 
 def _verify(dirs: Sequence[str], manifest: mf.Manifest, name: str, entry: mf.ObjectEntry,
-            bases: Sequence[int], addr: int, threads: int, landed: Landed) -> None:
+            bases: Sequence[int], addr: int, config: IOConfig, landed: Landed) -> None:
     def describe(s: mf.StorageEntry, e: mf.ExtentEntry) -> Callable[[int], str]:
         return lambda got: extent_problem(dirs, manifest, name, s, e, got) or ""
 
     work = [(addr + base + e.start, e, describe(s, e)) for s, base in zip(entry.storages, bases) for e in s.extents]
-    # in the order read_files reads: _FILES_AT_ONCE files side by side, each from its start
+    # in the order read_files reads: read_files_at_once files side by side, each from its start
     ends: dict[int, int] = {}
     for _, e, _ in work:
         ends[e.file] = max(ends.get(e.file, 0), e.offset + e.nbytes)
-    turn = {f: k // _FILES_AT_ONCE for k, f in enumerate(sorted(ends))}
+    turn = {f: k // config.read_files_at_once for k, f in enumerate(sorted(ends))}
     work.sort(key=lambda w: turn[w[1].file] + (w[1].offset + w[1].nbytes) / max(1, ends[w[1].file]))
-    check_in_memory(work, threads, landed)
+    check_in_memory(work, config.reader_threads, landed)

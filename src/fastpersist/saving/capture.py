@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fastpersist import _torch
+from fastpersist import torch_internals
 from fastpersist.errors import CheckpointError
 from fastpersist.format import skeleton, torchzip
 from fastpersist.io.buffers import ALIGN, align_up, ready_events
@@ -205,11 +205,11 @@ class Capture:
                 srcs.append(src[start:end])
                 batch += end - start
                 if batch >= COPY_STEP:
-                    _torch.copy_many(dsts, srcs)
+                    torch_internals.copy_many(dsts, srcs)
                     fill.advance(pos + end)
                     dsts, srcs, batch = [], [], 0
         if dsts:
-            _torch.copy_many(dsts, srcs)
+            torch_internals.copy_many(dsts, srcs)
         self.pending.clear()
 
     def finish(self) -> None:

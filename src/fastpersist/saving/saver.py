@@ -28,6 +28,8 @@ from fastpersist.saving.job import SaveJob, new_job, saveable_state
 from fastpersist.saving.stage import Stager
 
 logger = logging.getLogger(__name__)
+# the line each committed save logs: on the logger README documents, the Checkpointer's
+summary_logger = logging.getLogger("fastpersist.checkpointer")
 
 
 class Saver:
@@ -108,7 +110,7 @@ class Saver:
 
     def _log(self, m: SaveMetrics) -> None:
         self.history.append(m)
-        logger.info("%s", m.summary())
+        summary_logger.info("%s", m.summary())
 
     def wait(self, timeout: float | None) -> None:
         self.driver.wait(timeout)

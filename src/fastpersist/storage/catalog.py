@@ -62,8 +62,9 @@ class Entry:
 
 def scan(root: str, backend: FileBackend | None = None) -> list[Entry]:
     """Every checkpoint directory in ``root``, by step."""
+    files = backend or _REAL_FILES
     try:
-        names = (backend or _REAL_FILES).listdir(root)
+        names = files.listdir(root)
     except FileNotFoundError:
         return []
     except NotADirectoryError as e:
@@ -75,15 +76,15 @@ def scan(root: str, backend: FileBackend | None = None) -> list[Entry]:
         # a step directory that is a link is not a checkpoint of this root (links inside a root
         # are never followed). "committed" stays "a manifest entry exists", whatever its kind, so
         # that clean-up never deletes a directory holding one; reading it checks the kind.
-        if step is not None and os.path.isdir(path) and not os.path.islink(path):
-            out.append(Entry(step, path, os.path.lexists(os.path.join(path, mf.MANIFEST_NAME))))
+        if step is not None and files.is_dir(path, follow=False):
+            out.append(Entry(step, path, files.exists(os.path.join(path, mf.MANIFEST_NAME))))
     return sorted(out, key=lambda e: e.step)
 
 
-def _is_regular(path: str) -> bool:
+def _is_regular(path: str, files: FileBackend) -> bool:
     """Whether ``path`` is a regular file itself (not through a link)."""
     try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
+        return stat.S_ISREG(files.stat(path, follow=False).st_mode)
     except OSError:
         return False
 
@@ -95,12 +96,13 @@ def read_manifest(step_path: str, backend: FileBackend | None = None) -> mf.Mani
     checked against its own checksum and parsed strictly (:func:`manifest.parse`).
     """
     path = os.path.join(step_path, mf.MANIFEST_NAME)
-    if os.path.lexists(step_path) and not os.path.isdir(step_path):
+    files = backend or _REAL_FILES
+    if files.exists(step_path) and not files.is_dir(step_path):
         raise CheckpointNotFoundError(f"no checkpoint at {step_path}: it is a file, not a checkpoint directory")
     try:
-        raw = (backend or _REAL_FILES).read_small(path, mf.MAX_MANIFEST_BYTES, "manifest")
+        raw = files.read_small(path, mf.MAX_MANIFEST_BYTES, "manifest")
     except CheckpointNotFoundError as e:
-        if os.path.isdir(step_path):
+        if files.is_dir(step_path):
             raise CheckpointNotFoundError(
                 f"{step_path} holds no committed checkpoint (no {mf.MANIFEST_NAME}: the save did not "
                 "finish, or this is not a fastpersist checkpoint directory)"
@@ -109,9 +111,9 @@ def read_manifest(step_path: str, backend: FileBackend | None = None) -> mf.Mani
     return mf.parse(path, raw)
 
 
-def _manifest_mtime(step_path: str) -> int | None:
+def _manifest_mtime(step_path: str, files: FileBackend) -> int | None:
     try:
-        return os.stat(os.path.join(step_path, mf.MANIFEST_NAME)).st_mtime_ns
+        return files.stat(os.path.join(step_path, mf.MANIFEST_NAME)).st_mtime_ns
     except OSError:
         return None
 
@@ -155,13 +157,15 @@ def read_latest(root: str, backend: FileBackend | None = None) -> int | None:
     manifests decide by their commit sequence. The pointer is read without blocking and only
     if it is a small regular file; a checkpoint counts only if its manifest is a regular file.
     """
-    found = scan(root, backend)  # first: a root that is a file is named as such
-    hint = _read_hint(root, backend)
-    entries = [e for e in found if e.committed and _is_regular(os.path.join(e.path, mf.MANIFEST_NAME))]
+    files = backend or _REAL_FILES
+    found = scan(root, files)  # first: a root that is a file is named as such
+    hint = _read_hint(root, files)
+    entries = [e for e in found if e.committed and _is_regular(os.path.join(e.path, mf.MANIFEST_NAME), files)]
     by_step = {e.step: e for e in entries}
     if hint is not None and hint in by_step:
-        hint_time = _manifest_mtime(by_step[hint].path)
-        newer = [e for e in entries if e.step != hint and (hint_time is None or (_manifest_mtime(e.path) or 0) >= hint_time)]
+        hint_time = _manifest_mtime(by_step[hint].path, files)
+        newer = [e for e in entries
+                 if e.step != hint and (hint_time is None or (_manifest_mtime(e.path, files) or 0) >= hint_time)]
         if not newer:
             return hint
         entries = newer + [by_step[hint]]
@@ -199,7 +203,7 @@ def write_atomic(directory: str, name: str, data: bytes, backend: FileBackend, e
             backend.event("after-rename")
     except BaseException:
         with contextlib.suppress(OSError):  # keep the original error
-            if os.path.lexists(temp):
+            if backend.exists(temp):
                 backend.unlink(temp)
         raise
     backend.fsync_dir(directory)
@@ -214,7 +218,7 @@ def remove_checkpoint(roots: Sequence[str], step: int, backend: FileBackend) -> 
     first = os.path.join(roots[0], name)
     manifest = os.path.join(first, mf.MANIFEST_NAME)
     try:
-        if os.path.lexists(manifest):
+        if backend.exists(manifest):
             backend.unlink(manifest)
             backend.fsync_dir(first)
     except OSError as e:
@@ -224,7 +228,7 @@ def remove_checkpoint(roots: Sequence[str], step: int, backend: FileBackend) -> 
     for root in roots:
         d = os.path.join(root, name)
         try:
-            if os.path.lexists(d):
+            if backend.exists(d):
                 backend.rmtree(d, lambda p, e: logger.warning("could not remove %s: %s", p, e.strerror or e))
         except OSError as e:  # no longer committed: what is left is cleaned at the next start
             logger.warning("could not remove %s: %s", d, e.strerror or e)
@@ -284,16 +288,16 @@ def clean_incomplete(roots: Sequence[str], backend: FileBackend, keep: set[int] 
             path = os.path.join(root, name)
             step = parse_step_dir(name)
             try:
-                if step is not None and step not in committed and os.path.isdir(path):
+                if step is not None and step not in committed and backend.is_dir(path):
                     backend.rmtree(path, warn)
                     removed.append(path)
-                elif step is not None and os.path.isdir(path):
+                elif step is not None and backend.is_dir(path):
                     for f in backend.listdir(path):
                         if TEMP_SUFFIX in f:
                             backend.unlink(os.path.join(path, f))
                             removed.append(os.path.join(path, f))
                 elif TEMP_SUFFIX in name:  # a temporary file, or a durable fetch's staging directory
-                    if os.path.isdir(path) and not os.path.islink(path):
+                    if backend.is_dir(path, follow=False):
                         backend.rmtree(path, warn)
                     else:
                         backend.unlink(path)

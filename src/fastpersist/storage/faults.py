@@ -7,13 +7,16 @@ job does when a disk fills up or a rank dies in the middle of a checkpoint::
     backend = FaultyBackend([Fault("write", errno.ENOSPC, at=3, rank=2)])
     ckpt = fastpersist.Checkpointer(roots, backend=backend)
 
-A :class:`Fault` matches an operation (``open``, ``write``, ``fsync``, ``rename``, ``delete``
-(unlink, rmdir, rmtree), ``list`` (a directory listing), ``lock`` (the root lock), ``read``
-(opening a checkpoint file for reading, and each read request), or a protocol
-``event`` from :data:`fastpersist.storage.backend.PROTOCOL_POINTS`), optionally only on one rank, one
-root, or paths containing a string, and fires on the ``at``-th matching call (0: every call).
-It then sleeps ``delay_s``, and raises ``OSError(errno)``, or kills the process with SIGKILL.
-Everything else is real I/O.
+A :class:`Fault` matches an operation (``open`` (creating a file), ``write`` (each write
+request), ``truncate`` (setting a file's size), ``fsync`` (files and directories), ``rename``
+(rename, replace, the atomic exchange of a publish), ``link``, ``delete`` (unlink, rmdir,
+rmtree), ``list`` (a directory listing), ``mkdir`` (creating directories), ``stat`` (stat,
+lstat, exists, is_dir), ``lock`` (the root lock and its note), ``read`` (opening a checkpoint
+file for reading, and each read request), or a protocol ``event`` from
+:data:`fastpersist.storage.backend.PROTOCOL_POINTS`), optionally only on one rank, one root, one
+path or paths containing a string, and fires on the ``at``-th matching call (0: every call).
+It then sleeps ``delay_s``, and raises ``OSError(errno)`` (naming the path), or kills the
+process with SIGKILL. Everything else is real I/O.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 
 from fastpersist.storage.backend import PROTOCOL_POINTS, FileBackend
 
-OPS = ("open", "write", "fsync", "rename", "delete", "list", "lock", "read", "event", "link")
+OPS = ("open", "write", "fsync", "rename", "delete", "list", "lock", "read", "event", "link", "mkdir", "stat",
+       "truncate")
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Fault:
     point: str | None = None  # for op="event"
     delay_s: float = 0.0
     kill: bool = False
+    path: str | None = None  # only this exact path (as fastpersist names it)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -84,6 +89,8 @@ class FaultyBackend(FileBackend):
             if f.root is not None and f.root != root:
                 continue
             if f.path_contains is not None and f.path_contains not in path:
+                continue
+            if f.path is not None and f.path != path:
                 continue
             with self._lock:
                 self._counts[i] += 1
@@ -129,6 +136,15 @@ class FaultyBackend(FileBackend):
     def before_link(self, root: int, src: str, dst: str) -> None:
         self._hit("link", root, dst)
 
+    def before_mkdir(self, path: str) -> None:
+        self._hit("mkdir", None, path)
+
+    def before_stat(self, path: str) -> None:
+        self._hit("stat", None, path)
+
+    def before_truncate(self, path: str, size: int) -> None:
+        self._hit("truncate", None, path)
+
 
 class HoldWrite(FaultyBackend):
     """A :class:`FaultyBackend` that also stops the process in the middle of one save: the
@@ -163,8 +179,9 @@ _NEVER_KILLED_S = 600.0  # a held process nobody kills exits (status 3) rather t
 
 class NodeLocal(FileBackend):
     """Real files, but only those of one simulated node: every path below ``base`` that is not
-    under ``base/<node>`` is another node's disk, and opening, listing, locking or deleting it
-    fails with EACCES. Tests and benchmarks run several "nodes" on one machine with it, so that
+    under ``base/<node>`` is another node's disk, and opening, reading, listing, creating,
+    locking, linking or deleting it fails with EACCES (queries of what a path is are not
+    refused). Tests and benchmarks run several "nodes" on one machine with it, so that
     a rank provably opens only its own node's roots."""
 
     def __init__(self, base: str, node: str) -> None:
@@ -195,6 +212,5 @@ class NodeLocal(FileBackend):
         self.check(src)
         self.check(dst)
 
-    def makedirs(self, path: str) -> None:
+    def before_mkdir(self, path: str) -> None:
         self.check(path)
-        super().makedirs(path)

@@ -13,6 +13,7 @@ different machines need a scheduler that keeps them apart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,32 +47,32 @@ class RootLock:
         except BlockingIOError as e:
             raise CheckpointWriteError(
                 f"the checkpoint root {os.path.dirname(self.path)} is in use by another Checkpointer "
-                f"({_holder(self.path)}); two jobs writing one root would destroy each other's checkpoints: use "
-                "another root, or stop the other job (close() releases the root)"
+                f"({_holder(self.path, self.backend)}); two jobs writing one root would destroy each other's "
+                "checkpoints: use another root, or stop the other job (close() releases the root)"
             ) from e
         except OSError as e:
             raise CheckpointWriteError(f"cannot lock {self.path}: {e.strerror or e}") from e
-        previous = os.pread(fd, 4096, 0)
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        try:
+            previous = self.backend.swap_lock_note(fd, self.path, info)
+        except OSError as e:
+            with contextlib.suppress(OSError):  # the descriptor is closed all the same; keep this error
+                self.backend.unlock(fd, self.path)
+            raise CheckpointWriteError(f"cannot lock {self.path}: {e.strerror or e}") from e
         if previous.strip():
             logger.info("took over %s, left by a job that is no longer running (%s)", self.path, _describe(previous))
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, info, 0)
         self._fd = fd
 
     def release(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
-            try:
-                os.ftruncate(fd, 0)  # an empty lock file tells the next job nothing was left behind
-            finally:
-                os.close(fd)
+            # an empty lock file tells the next job nothing was left behind
+            self.backend.unlock(fd, self.path)
 
 
-def _holder(path: str) -> str:
+def _holder(path: str, backend: FileBackend) -> str:
     try:
-        with open(path, "rb") as f:
-            return _describe(f.read(4096))
+        return _describe(backend.read_lock_note(path))
     except OSError:
         return "holder unknown"
 

@@ -29,8 +29,6 @@ naming both paths, and the checkpoint stays committed under the roots).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -39,14 +37,11 @@ from fastpersist.storage import catalog
 from fastpersist.errors import CheckpointNotFoundError, CheckpointWriteError
 from fastpersist.storage.backend import REAL_FILES as _REAL_FILES
 from fastpersist.storage.backend import FileBackend
-from fastpersist.io.files import fsync_dir
 
 logger = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".fp-partial"
 OLD_SUFFIX = ".fp-old"
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
 
 
 def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> None:
@@ -55,7 +50,10 @@ def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> 
     Raises:
         CheckpointWriteError: the move failed (naming the paths and the cause); the checkpoint
             then stays committed under ``root`` (or, after a failure past the move, in
-            ``directory.fp-partial``) and ``directory`` is unchanged.
+            ``directory.fp-partial``) and ``directory`` is unchanged. Or, past the exchange, the
+            fsync of ``directory``'s folder failed: ``directory`` holds the new checkpoint, the
+            one it replaced is kept in ``directory.fp-partial`` (a power loss may bring back
+            the previous names), and the error says so.
     """
     name = catalog.step_dir(step)
     partial = directory + PARTIAL_SUFFIX
@@ -78,7 +76,15 @@ def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> 
         old = swap_in(partial, directory, backend)
     except OSError as e:
         raise CheckpointWriteError(f"checkpoint step {step}: publishing {partial} as {directory} failed: "
-                                   f"{e.strerror or e}; {partial} holds the committed checkpoint") from e
+                                   f"{_cause(e)}; {partial} holds the committed checkpoint") from e
+    parent = os.path.dirname(os.path.abspath(directory))
+    try:
+        backend.fsync_dir(parent)  # the new name is durable: only now may the old checkpoint go
+    except OSError as e:
+        kept = f"; the checkpoint it replaced is kept in {old}" if old is not None else ""
+        raise CheckpointWriteError(f"checkpoint step {step} is published as {directory}, but its folder {parent} "
+                                   f"could not be fsync'd ({_cause(e)}): after a power loss the name may still show "
+                                   f"the previous checkpoint{kept}") from e
     if old is not None:  # published: removing what it replaced is best effort
         try:
             remove_path(old, backend)
@@ -87,28 +93,32 @@ def publish_step(root: str, step: int, directory: str, backend: FileBackend) -> 
                            "from %s: %s", step, directory, old, e.strerror or e)
 
 
+def _cause(e: OSError) -> str:
+    """An OSError's reason, and the path it concerns when it names one."""
+    reason = e.strerror or str(e)
+    return f"{reason} ({e.filename})" if e.filename and str(e.filename) not in reason else reason
+
+
 def swap_in(partial: str, path: str, backend: FileBackend) -> str | None:
     """Make ``partial`` (a directory) take ``path``'s place atomically; returns where the old
-    ``path`` now is (to remove), or None if there was none."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.lexists(path) and exchange_supported() and _exchange(partial, path):
-        fsync_dir(parent)
+    ``path`` now is (to remove), or None if there was none. The caller fsyncs ``path``'s
+    folder (the new name is durable only then)."""
+    if backend.exists(path) and exchange_supported() and backend.exchange(partial, path):
         return partial  # the old checkpoint, now under the partial name
     old = None
-    if os.path.lexists(path):
+    if backend.exists(path):
         old = path + OLD_SUFFIX
         remove_path(old, backend)
         backend.replace(path, old)
     backend.replace(partial, path)  # a crash before this leaves path.fp-old alone: see recover()
-    fsync_dir(parent)
     return old
 
 
 def _check_replaceable(path: str, backend: FileBackend) -> None:
     """Refuse to replace a directory that is not a published checkpoint (a mistaken path)."""
-    if not os.path.isdir(path) or os.path.islink(path) or not backend.listdir(path):
+    if not backend.is_dir(path, follow=False) or not backend.listdir(path):
         return  # nothing, a file (a framework's single-file checkpoint of the same name) or empty
-    if catalog.read_latest(path) is None:
+    if catalog.read_latest(path, backend) is None:
         raise OSError(errno.EEXIST, f"{path} exists and is not a checkpoint published by fastpersist; "
                       "not replaced (remove it, or save into another directory)")
 
@@ -118,19 +128,21 @@ def recover(path: str, backend: FileBackend | None = None) -> None:
     and ``path.fp-old`` present means ``path.fp-old`` is the last published checkpoint. Only
     the publisher (rank 0, holding the roots' lock) renames; readers use
     :func:`directory_checkpoint`, which reads ``path.fp-old`` in place."""
+    files = backend or _REAL_FILES
     old = path + OLD_SUFFIX
-    if not os.path.lexists(path) and os.path.isdir(old):
+    if not files.exists(path) and files.is_dir(old):
         logger.warning("%s was being replaced when a process died; restoring the previous checkpoint from %s",
                        path, old)
-        (backend or _REAL_FILES).replace(old, path)
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
+        files.replace(old, path)
+        files.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def sweep(folder: str, backend: FileBackend | None = None) -> None:
     """Clean what crashed publishes left in ``folder`` (the publisher, before its first save):
     a ``X.fp-partial`` (removed), a ``X.fp-old`` beside ``X`` (removed) or alone (put back)."""
+    files = backend or _REAL_FILES
     try:
-        names = (backend or _REAL_FILES).listdir(folder)
+        names = files.listdir(folder)
     except FileNotFoundError:
         return
     for name in names:
@@ -140,7 +152,7 @@ def sweep(folder: str, backend: FileBackend | None = None) -> None:
                 remove_path(path, backend)
             elif name.endswith(OLD_SUFFIX):
                 target = path[:-len(OLD_SUFFIX)]
-                if os.path.lexists(target):
+                if files.exists(target):
                     remove_path(path, backend)
                 else:
                     recover(target, backend)
@@ -158,9 +170,9 @@ def remove_path(path: str, backend: FileBackend | None = None) -> None:
     """Remove a checkpoint file, directory or link; nothing if it does not exist. Raises the
     first failure."""
     files = backend or _REAL_FILES
-    if os.path.isdir(path) and not os.path.islink(path):
+    if files.is_dir(path, follow=False):
         files.rmtree(path, _raise)
-    elif os.path.lexists(path):
+    elif files.exists(path):
         files.unlink(path)
 
 
@@ -168,7 +180,7 @@ def _raise(_path: str, error: OSError) -> None:
     raise error
 
 
-def directory_checkpoint(path: str) -> str:
+def directory_checkpoint(path: str, backend: FileBackend | None = None) -> str:
     """The step directory of the checkpoint published as ``path`` (its most recent commit);
     read-only: after a crash between the two renames of a publish without exchange, the
     checkpoint is read where it is, in ``path.fp-old``.
@@ -176,11 +188,12 @@ def directory_checkpoint(path: str) -> str:
     Raises:
         CheckpointNotFoundError: ``path`` holds no committed fastpersist checkpoint.
     """
+    files = backend or _REAL_FILES
     for where in (path, path + OLD_SUFFIX):
-        step = catalog.read_latest(where) if os.path.isdir(where) else None
+        step = catalog.read_latest(where, files) if files.is_dir(where) else None
         if step is not None:
             return os.path.join(where, catalog.step_dir(step))
-        if os.path.lexists(path):
+        if files.exists(path):
             break
     raise CheckpointNotFoundError(f"{path} holds no committed fastpersist checkpoint")
 
@@ -190,25 +203,3 @@ def exchange_supported() -> bool:
     environment variable ``FASTPERSIST_NO_RENAME_EXCHANGE=1`` turns it off (a filesystem that
     claims it and misbehaves), leaving the two-rename path."""
     return os.environ.get("FASTPERSIST_NO_RENAME_EXCHANGE", "") not in ("1", "true", "yes")
-
-
-_libc: ctypes.CDLL | None = None
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap the names ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        except OSError:  # no C library to ask (an unusual libc): the two-rename path
-            return False
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), b)

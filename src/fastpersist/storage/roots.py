@@ -6,6 +6,14 @@ root deletes the data of the other, leaving a manifest that points at nothing. S
 checked when the Checkpointer is built, and nothing is created then: a root that does not exist
 yet must be creatable (its nearest existing ancestor a writable directory), and is created by
 the first save.
+
+These checks query the file system directly (``os.stat``, ``os.path``, ``os.access``), not
+through the Checkpointer's :class:`~fastpersist.storage.backend.FileBackend`: they run while
+the Checkpointer is being built, on the paths the caller gave (before any checkpoint file is
+opened, created or read), and they compare directories by identity (device, inode), which a
+backend that fails or delays operations has nothing to add to. They are the one allowed
+exception to "every file operation goes through the backend" in storage/ (see
+tests/unit/storage/test_storage_seam.py).
 """
 
 from __future__ import annotations

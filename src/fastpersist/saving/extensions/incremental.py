@@ -144,7 +144,7 @@ Where = list[tuple[FileKey, PlacedExtent]]
 
 
 @dataclass(frozen=True)
-class _Reference:
+class Reference:
     """The last committed checkpoint, as every rank knows it (built alike from the reports)."""
 
     directory: str
@@ -170,7 +170,7 @@ def _keep(candidates: dict[T, Where], files: dict[FileKey, tuple[int, int]]) -> 
     return keep
 
 
-def _reused(obj: str, ref: _Reference, save_id: str, served: dict[FileKey, list[PlacedExtent]],
+def _reused(obj: str, ref: Reference, save_id: str, served: dict[FileKey, list[PlacedExtent]],
             rank: Callable[[FileKey], int]) -> list[Reused]:
     return [Reused(obj, rank(key), key[0], ref.directory, key[1], f"{save_id}-{obj}-reused-{k:04d}.bin",
                    ref.files[key][0], tuple(served[key])) for k, key in enumerate(sorted(served))]
@@ -188,7 +188,7 @@ def _sample(data: memoryview) -> bytes:
 class Incremental:
     """One rank's part of incremental saving: probing its units, planning, learning each commit."""
 
-    def __init__(self, rank: int, world: int, block: int = BLOCK, *, reference: _Reference | None = None) -> None:
+    def __init__(self, rank: int, world: int, block: int = BLOCK, *, reference: Reference | None = None) -> None:
         self.rank, self.world, self.block = rank, world, block
         self._units: tuple[tuple[int, ...], list[Unit]] = ((), [])  # the last sizes' units
         self._unit_block = block  # their size (larger than ``block`` for a very large state)
@@ -345,7 +345,7 @@ class Incremental:
                         where[first[e.storage] + e.start // self._unit_block].append(((r.root, r.name), e))
                     else:
                         chunks[keys[e.storage]].append(((r.root, r.name), e))
-        self._ref = _Reference(directory, tuple(sizes), files, where, dict(chunks))
+        self._ref = Reference(directory, tuple(sizes), files, where, dict(chunks))
         self._seen, self._pending = self._pending, {}
 
     def forget(self) -> None:
@@ -370,7 +370,7 @@ def link_reused(reused: Sequence[Reused], roots: Sequence[str], directory: str, 
         src = os.path.join(roots[r.root], r.directory, r.source)
         dst = os.path.join(roots[r.root], directory, r.name)
         try:
-            st = os.stat(src, follow_symlinks=False)
+            st = backend.stat(src, follow=False)
             if not stat.S_ISREG(st.st_mode) or st.st_size != r.size:
                 raise OSError(f"{src} is no longer the file the last checkpoint wrote")
             backend.link(r.root, src, dst)

@@ -44,6 +44,7 @@ from fastpersist.tiers.durable.store import PART_BYTES, Store, StoreAccessError,
 from fastpersist.errors import ChecksumMismatchError, CheckpointError
 from fastpersist.format import manifest as mf
 from fastpersist.objects.write import FileReport
+from fastpersist.storage.backend import REAL_FILES, FileBackend
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +136,10 @@ class Drainer:
 
     def __init__(self, store: Store, roots: Sequence[str], rank: int, *, every: int, keep: int | None,
                  abandoned: str, bandwidth: float | None, timeout_s: float, nice: int = 10,
-                 ended: Callable[[], None] | None = None) -> None:
+                 ended: Callable[[], None] | None = None, backend: FileBackend | None = None) -> None:
         self.store = store
         self.roots = list(roots)
+        self.backend = backend or REAL_FILES  # the local roots' file seam: the files uploaded are read through it
         self.rank = rank
         self.every = every
         self.retention = Retention(keep, None, abandoned)
@@ -306,14 +308,18 @@ class Drainer:
 
         def chunks() -> Iterator[bytes]:
             try:
-                fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+                file = self.backend.open_read(local, "off")
             except BaseException as e:
                 failure.append(e)
                 raise
             try:
                 pos = 0
                 while pos < f.size:
-                    data = os.pread(fd, min(PART_BYTES, f.size - pos), pos)
+                    try:
+                        data = self.backend.pread(file, pos, min(PART_BYTES, f.size - pos))
+                    except OSError as e:
+                        raise CheckpointError(f"cannot read {local} at offset {pos} to upload it: "
+                                              f"{e.strerror or e}") from e
                     if not data:
                         raise CheckpointError(f"{local} is truncated: {pos} bytes, {f.size} expected")
                     source.feed(pos, data)
@@ -322,12 +328,12 @@ class Drainer:
                     yield data
                 source.finish()
                 if hasattr(os, "posix_fadvise"):  # the upload's reads leave the page cache to training
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
             except BaseException as e:
                 failure.append(e)
                 raise
             finally:
-                os.close(fd)
+                file.close()
 
         try:
             self.store.put_file(key, chunks(), f.size)

@@ -19,6 +19,7 @@ from fastpersist import timeline
 from fastpersist.options import Durable
 from fastpersist.saving.extension import Extension
 from fastpersist.saving.messages import Committed, RankReport, SavePlan
+from fastpersist.storage.backend import FileBackend
 from fastpersist.tiers.durable.drain import Drainer, drain_files
 from fastpersist.tiers.durable.store import Store
 
@@ -34,10 +35,11 @@ class DurableDrain(Extension):
     name = "durable"
 
     def __init__(self, store: Store, roots: Sequence[str], rank: int, option: Durable, abandoned: str,
-                 timeout_s: float, nice: int) -> None:
+                 timeout_s: float, nice: int, backend: FileBackend | None = None) -> None:
         self.rank = rank
         self.drainer = Drainer(store, roots, rank, every=option.every, keep=option.keep, abandoned=abandoned,
-                               bandwidth=option.bandwidth, timeout_s=timeout_s, nice=nice, ended=self._ended)
+                               bandwidth=option.bandwidth, timeout_s=timeout_s, nice=nice, ended=self._ended,
+                               backend=backend)
         self._taken: int | None = None  # rank 0: the step its drain took in this save's commit
         if rank == 0:
             self.drainer.read_ahead()

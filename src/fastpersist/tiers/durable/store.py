@@ -10,7 +10,9 @@ are written against it, so both kinds of location behave alike.
 * :class:`DirStore`: every object is a file, written under a temporary name, fsync'd and
   renamed (the directory fsync'd); create-if-absent is ``link(2)`` of the temporary file, which
   fails when the name exists. The layout is a one-root checkpoint root, so
-  ``fastpersist.open(directory)`` reads it like any other.
+  ``fastpersist.open(directory)`` reads it like any other. Its file operations are those of the
+  local roots, through a :class:`~fastpersist.storage.backend.FileBackend` it is given (the
+  one seam: a fault backend reaches the durable directory as it reaches the roots).
 * :class:`S3Store`: an ``s3://bucket/prefix`` URL through ``obstore`` (multipart uploads with
   several parts in flight, conditional puts with ``If-None-Match: *``, ranged gets). The
   endpoint, region and credentials come from the client's standard environment
@@ -25,13 +27,15 @@ import itertools
 import os
 import re
 import secrets
+import stat
 from datetime import timedelta
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from fastpersist.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from fastpersist.io.files import fsync_dir
+from fastpersist.io.files import DirectFile
+from fastpersist.storage.backend import REAL_FILES, FileBackend
 
 PART_BYTES = 8 << 20  # the size of one uploaded part (at least), and of one read when downloading
 UPLOADS_IN_FLIGHT = 4  # parts of one multipart upload in flight (8 and 12 measured no faster here)
@@ -102,8 +106,9 @@ def is_url(location: object) -> bool:
     return isinstance(location, str) and "://" in location
 
 
-def open_store(location: str | os.PathLike[str] | Store) -> Store:
-    """The store at ``location``: a Store, a directory path, or an ``s3://bucket/prefix`` URL."""
+def open_store(location: str | os.PathLike[str] | Store, backend: FileBackend | None = None) -> Store:
+    """The store at ``location``: a Store, a directory path (its files through ``backend``,
+    default real files), or an ``s3://bucket/prefix`` URL."""
     if isinstance(location, Store):
         return location
     if not isinstance(location, (str, os.PathLike)):
@@ -113,7 +118,7 @@ def open_store(location: str | os.PathLike[str] | Store) -> Store:
         if scheme not in ("s3", "s3a"):
             raise ValueError(f"durable: {location!r}: only directories and s3:// URLs are supported")
         return S3Store(str(location))
-    return DirStore(os.fspath(location))
+    return DirStore(os.fspath(location), backend)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,12 +126,14 @@ def open_store(location: str | os.PathLike[str] | Store) -> Store:
 
 
 class DirStore(Store):
-    """Objects as files under a directory (created at the first write)."""
+    """Objects as files under a directory (created at the first write), every file operation
+    through ``backend`` (default: real files; the directory is root 0 to it)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, backend: FileBackend | None = None) -> None:
         self.path = os.path.abspath(path)
         self.url = self.path
-        if os.path.lexists(self.path) and not os.path.isdir(self.path):
+        self.backend = backend or REAL_FILES
+        if self.backend.exists(self.path) and not self.backend.is_dir(self.path):
             raise ValueError(f"durable: {self.path} is a file, not a directory")
 
     def file(self, key: str) -> str:
@@ -137,38 +144,36 @@ class DirStore(Store):
 
     def _temp(self, final: str) -> str:
         d, base = os.path.split(final)
-        os.makedirs(d, exist_ok=True)
+        self.backend.makedirs(d)
         return os.path.join(d, f".{base}.fastpersist-tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
     def _write_temp(self, final: str, chunks: Iterator[bytes], size: int | None) -> str:
         temp = self._temp(final)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        files = self.backend
+        file = files.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "off", 0)
         try:
             written = 0
             for chunk in chunks:
-                view = memoryview(chunk)
-                while view:
-                    n = os.write(fd, view)
-                    view, written = view[n:], written + n
+                files.pwrite(file, chunk, written)
+                written += memoryview(chunk).nbytes
             if size is not None and written != size:
                 raise StoreError(f"{final}: {written} bytes uploaded, {size} expected")
-            os.fsync(fd)
-            if hasattr(os, "posix_fadvise"):  # a read-back then reaches the device, not the cache
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            files.fsync(file)
+            _drop_cache(file)  # a read-back then reaches the device, not the cache
         except BaseException:
-            os.close(fd)
+            file.close()
             with contextlib.suppress(OSError):
-                os.unlink(temp)
+                files.unlink(temp)
             raise
-        os.close(fd)
+        file.close()
         return temp
 
     def put_file(self, key: str, chunks: Iterator[bytes], size: int) -> None:
         final = self.file(key)
         try:
             temp = self._write_temp(final, chunks, size)
-            os.replace(temp, final)
-            fsync_dir(os.path.dirname(final))
+            self.backend.replace(temp, final)
+            self.backend.fsync_dir(os.path.dirname(final))
         except OSError as e:
             raise StoreError(f"cannot write {final}: {e.strerror or e}") from e
 
@@ -177,12 +182,12 @@ class DirStore(Store):
         try:
             temp = self._write_temp(final, iter([data]), len(data))
             try:
-                os.link(temp, final)  # fails if ``final`` exists: create-if-absent
+                self.backend.link(0, temp, final)  # fails if ``final`` exists: create-if-absent
             except FileExistsError:
                 return False
             finally:
-                os.unlink(temp)
-            fsync_dir(os.path.dirname(final))
+                self.backend.unlink(temp)
+            self.backend.fsync_dir(os.path.dirname(final))
             return True
         except OSError as e:
             raise StoreError(f"cannot write {final}: {e.strerror or e}") from e
@@ -190,61 +195,79 @@ class DirStore(Store):
     def put(self, key: str, data: bytes) -> None:
         self.put_file(key, iter([data]), len(data))
 
+    def _open(self, path: str) -> DirectFile:
+        try:
+            return self.backend.open_read(path, "off", follow=True)
+        except CheckpointNotFoundError:
+            raise
+        except CheckpointError as e:  # refused, or not a regular file
+            raise StoreError(f"cannot read {path}: {e}") from e
+
     def get(self, key: str, limit: int) -> bytes:
         path = self.file(key)
+        file = self._open(path)
         try:
-            with open(path, "rb") as f:
-                data = f.read(limit + 1)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{path} does not exist") from e
+            data = self.backend.pread(file, 0, limit + 1)
         except OSError as e:
             raise StoreError(f"cannot read {path}: {e.strerror or e}") from e
+        finally:
+            file.close()
         if len(data) > limit:
             raise StoreError(f"{path} is larger than {limit} bytes")
         return data
 
     def chunks(self, key: str, size: int) -> Iterator[memoryview]:
         path = self.file(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{path} does not exist") from e
-        except OSError as e:
-            raise StoreError(f"cannot read {path}: {e.strerror or e}") from e
+        file = self._open(path)
         try:
             pos = 0
             while pos < size:
-                data = os.pread(fd, min(PART_BYTES, size - pos), pos)
+                data = self.backend.pread(file, pos, min(PART_BYTES, size - pos))
                 if not data:
                     raise CorruptCheckpointError(f"{path} is truncated: {pos} bytes, {size} expected")
                 pos += len(data)
                 yield memoryview(data)
         finally:
-            os.close(fd)
+            file.close()
 
     def list(self, prefix: str = "") -> dict[str, int]:
         out: dict[str, int] = {}
         top = self.file(prefix.rstrip("/")) if prefix.strip("/") else self.path
-        def fail(e: OSError) -> None:
-            if not (isinstance(e, FileNotFoundError) and e.filename == top):  # nothing written there yet
-                raise e
-
         try:
-            for d, _dirs, files in os.walk(top, onerror=fail):
-                for name in files:
-                    if ".fastpersist-tmp" in name:
-                        continue
-                    p = os.path.join(d, name)
-                    with contextlib.suppress(FileNotFoundError):
-                        out[os.path.relpath(p, self.path).replace(os.sep, "/")] = os.stat(p).st_size
+            self._walk(top, top, out)
         except OSError as e:
             raise StoreError(f"cannot list {top}: {e.strerror or e}") from e
         return out
 
+    def _walk(self, d: str, top: str, out: dict[str, int]) -> None:
+        """The objects under ``d`` into ``out`` (links to directories are not followed)."""
+        try:
+            names = self.backend.listdir(d)
+        except FileNotFoundError:
+            if d == top:  # nothing written there yet
+                return
+            raise
+        for name in names:
+            p = os.path.join(d, name)
+            try:
+                st = self.backend.stat(p, follow=False)
+                if stat.S_ISDIR(st.st_mode):
+                    self._walk(p, top, out)
+                    continue
+                if ".fastpersist-tmp" in name:
+                    continue
+                if stat.S_ISLNK(st.st_mode):
+                    st = self.backend.stat(p)
+                    if stat.S_ISDIR(st.st_mode):
+                        continue  # a link to a directory: not walked into
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            out[os.path.relpath(p, self.path).replace(os.sep, "/")] = st.st_size
+
     def delete(self, key: str) -> None:
         path = self.file(key)
         try:
-            os.unlink(path)
+            self.backend.unlink(path)
         except FileNotFoundError:
             return
         except OSError as e:
@@ -252,10 +275,16 @@ class DirStore(Store):
         d = os.path.dirname(path)
         while d != self.path:  # drop directories left empty (a deleted checkpoint's)
             try:
-                os.rmdir(d)
+                self.backend.rmdir(d)
             except OSError:
                 break
             d = os.path.dirname(d)
+
+
+def _drop_cache(file: DirectFile) -> None:
+    """Ask the kernel to drop ``file``'s cached pages (a hint; nothing where unsupported)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 # ---------------------------------------------------------------------------------------------

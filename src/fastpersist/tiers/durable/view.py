@@ -14,8 +14,6 @@ import builtins
 import contextlib
 import logging
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -47,14 +45,17 @@ class DurableView(CheckpointView):
         staging: the local directory fetched checkpoints pass through, created if need be
             (default: the system's temporary directory; a Checkpointer passes its first root);
             each load removes its copy when it ends.
+        backend: the file seam of the local copy: the fetch writes it, and the load reads
+            it, through ``backend`` (default: real files; see :mod:`fastpersist.storage.faults`).
     """
 
-    def __init__(self, location: str | Store, *, config: IOConfig | None = None, staging: str | None = None) -> None:
+    def __init__(self, location: str | Store, *, config: IOConfig | None = None, staging: str | None = None,
+                 backend: FileBackend | None = None) -> None:
         self.store = open_store(location)
         self.url = self.store.url
         self.roots = [self.url]
         self._config = config
-        self.backend = FileBackend()  # for the fetched copy
+        self.backend = backend or FileBackend()  # for the fetched copy
         self.staging = staging
 
     def _commits(self) -> dict[int, timeline.Commit]:
@@ -137,7 +138,8 @@ class DurableView(CheckpointView):
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise CorruptCheckpointError(f"{problems[0].path} is {problems[0].message}{more}")
         d = os.path.join(os.fspath(root), catalog.step_dir(manifest.step))
-        os.makedirs(d, exist_ok=True)
+        files = self.backend
+        files.makedirs(d)
         jobs = [(f.name, f.size) for f in manifest.files]
         errors: builtins.list[BaseException] = []
         lock = threading.Lock()
@@ -148,22 +150,20 @@ class DurableView(CheckpointView):
             try:
                 path = os.path.join(d, name)
                 try:  # a new file, never written through a name another checkpoint shares (hard links)
-                    os.unlink(path)
+                    files.unlink(path)
                 except FileNotFoundError:
                     pass
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                file = files.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "off", 0)
                 try:
                     pos = 0
                     for data in self.store.chunks(key, size):
-                        view = memoryview(data)
-                        while view:
-                            n = os.pwrite(fd, view, pos)
-                            view, pos = view[n:], pos + n
+                        files.pwrite(file, data, pos)
+                        pos += memoryview(data).nbytes
                         if progress is not None:
                             progress(len(data))
-                    os.fsync(fd)
+                    files.fsync(file)
                 finally:
-                    os.close(fd)
+                    file.close()
             except BaseException as e:  # noqa: BLE001 - gathered, the first is raised
                 with lock:
                     errors.append(e)
@@ -178,7 +178,7 @@ class DurableView(CheckpointView):
             if isinstance(e, CheckpointError):
                 raise e
             raise CheckpointError(f"cannot fetch checkpoint step {manifest.step} from {self.url}: {e}") from e
-        catalog.write_atomic(d, mf.MANIFEST_NAME, manifest.to_json(), FileBackend())
+        catalog.write_atomic(d, mf.MANIFEST_NAME, manifest.to_json(), files)
         return manifest.step
 
     @contextlib.contextmanager
@@ -188,21 +188,22 @@ class DurableView(CheckpointView):
         # copy a crash leaves there is removed by the root's clean start), else the system's
         # temporary one
         staging = self.staging
-        if staging is not None and not os.path.isdir(staging):
+        files = self.backend
+        if staging is not None and not files.is_dir(staging):
             try:  # a Checkpointer's first root, not created yet (new machines): its place is here
-                os.makedirs(staging, exist_ok=True)
+                files.makedirs(staging)
             except OSError:
                 staging = None
-        top = tempfile.mkdtemp(prefix=".fastpersist-tmp-fetch-", dir=staging)
+        top = files.make_temp_dir(".fastpersist-tmp-fetch-", staging)
         try:
             s = self.fetch(step, top, progress=progress)
             local = os.path.join(top, catalog.step_dir(s))
             try:
-                yield CheckpointView(top, config=self._config), local
+                yield CheckpointView(top, config=self._config, backend=files), local
             except CheckpointError as e:  # name the objects, not the private copy
                 raise type(e)(str(e).replace(local, self.store.where(catalog.step_dir(s)))) from e
         finally:
-            shutil.rmtree(top, ignore_errors=True)
+            _remove_copy(files, top)
 
     def load(self, step: int | str = "latest", into: Mapping[str, Any] | None = None, *,
              keys: Iterable[str] | None = None, map_location: Any = None, weights_only: bool = True,
@@ -251,12 +252,23 @@ class DurableView(CheckpointView):
                     for p in problems]
 
 
+def _remove_copy(files: FileBackend, top: str) -> None:
+    """Remove a fetched copy (best effort: what is left is removed by the root's clean start)."""
+    def warn(path: str, e: OSError) -> None:
+        logger.warning("could not remove %s (a fetched copy): %s", path, e.strerror or e)
+
+    try:
+        files.rmtree(top, warn)
+    except OSError as e:
+        warn(top, e)
+
 
 def durable_view(durable: str | os.PathLike[str] | Store, config: IOConfig | None,
-                 staging: str | None = None) -> CheckpointView | DurableView:
+                 staging: str | None = None, backend: FileBackend | None = None) -> CheckpointView | DurableView:
     """Read-only access to a durable tier: a directory is a checkpoint root like any other;
-    object storage is fetched through ``staging`` (see :class:`DurableView`)."""
+    object storage is fetched through ``staging`` (see :class:`DurableView`). ``backend``: the
+    file seam of local files (default: real files)."""
     store = open_store(durable)
     if isinstance(store, DirStore):
-        return CheckpointView(store.url, config=config)
-    return DurableView(store, config=config, staging=staging)
+        return CheckpointView(store.url, config=config, backend=backend if backend is not None else store.backend)
+    return DurableView(store, config=config, staging=staging, backend=backend)

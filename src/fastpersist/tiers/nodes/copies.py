@@ -170,11 +170,11 @@ class Receiver:
             try:
                 self.backend.makedirs(self.dirs[self.root])
                 file = self.backend.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "off", self.root)
-                os.ftruncate(file.fd, self.sizes[kind])
+                self.files[kind] = file  # closed by finish() or close(), whatever happens next
+                self.backend.truncate(file, self.sizes[kind])
             except OSError as e:
                 raise CheckpointWriteError(f"cannot create {path} (rank {self.sender}'s copy): "
                                            f"{e.strerror or e}") from e
-            self.files[kind] = file
         return self.files[kind]
 
     def take(self, segments: Sequence[tuple[int, int, int]], data: torch.Tensor) -> None:
@@ -188,12 +188,8 @@ class Receiver:
                 self.skeleton[off : off + n] = chunk
                 continue
             file = self._file(e.kind)
-            done = 0
             try:
-                while done < n:
-                    if file.on_write is not None:  # the backend's hook (faults, throttling)
-                        file.on_write(self.offsets[i] + off + done, n - done)
-                    done += os.pwrite(file.fd, chunk[done:], self.offsets[i] + off + done)
+                self.backend.pwrite(file, chunk, self.offsets[i] + off)
             except OSError as e:
                 raise CheckpointWriteError(f"writing {file.path} (rank {self.sender}'s copy) failed: "
                                            f"{e.strerror or e}") from e

@@ -44,6 +44,7 @@ from fastpersist.format import copies
 from fastpersist.format import manifest as mf
 from fastpersist.storage.backend import FileBackend
 from fastpersist.io.buffers import memory_view
+from fastpersist.io.files import DirectFile
 from fastpersist.io.reader import ReadFailedError
 from fastpersist.topology import NodeMap
 
@@ -90,7 +91,7 @@ def inventory(roots: Sequence[str], backend: FileBackend) -> tuple[dict[int, Hol
                 continue
             for f in names:
                 try:
-                    st = os.lstat(os.path.join(d, f))
+                    st = backend.stat(os.path.join(d, f), follow=False)
                 except OSError:
                     continue
                 if stat.S_ISREG(st.st_mode) and mf.valid_file_name(f):
@@ -285,7 +286,7 @@ class PeerRestore:
                 bad |= damaged
             raise CorruptCheckpointError(f"checkpoint step {m.step}: still damaged after {MAX_ROUNDS} attempts")
         finally:
-            if self.leader and os.path.isdir(staging):
+            if self.leader and self.backend.is_dir(staging):
                 self.backend.rmtree(staging, lambda p, e: logger.warning("could not remove %s: %s", p, e))
 
     def _dirs(self, step: int, staging: str) -> list[str]:
@@ -333,7 +334,7 @@ class PeerRestore:
         bad: set[tuple[int, int]] = set()
         receiving = self.leader and any(self.node in t.dests for t in plan.transfers)
         failure: str | None = None
-        handles: dict[int, int] = {}
+        handles: dict[int, DirectFile] = {}
         hashes: dict[int, Any] = {}  # transfer index -> xxh3 state of what arrived so far
         try:
             if receiving:
@@ -362,12 +363,12 @@ class PeerRestore:
                         bad.add((t.file, src_node))  # damaged on the way: another copy next round
                         continue
                     try:
-                        _stage(handles, staging, m, t.file, t.offset + off, data)
+                        _stage(self.backend, handles, staging, m, t.file, t.offset + off, data)
                     except OSError as e:
                         failure = f"writing {os.path.join(staging, m.files[t.file].name)}: {e.strerror or e}"
         finally:
-            for fd in handles.values():
-                os.close(fd)
+            for file in handles.values():
+                file.close()
         # damage seen at a receiver, and failures, are known there only: tell everyone
         gathered = self.comm.all_gather((sorted(bad), failure), "control")
         failed = [(r, f) for r, (_, f) in enumerate(gathered) if f is not None]
@@ -391,7 +392,7 @@ class PeerRestore:
                 try:
                     file = self.backend.open_read(path, "off")
                     try:
-                        got = os.preadv(file.fd, [view[pos : pos + n]], t.offset + off)
+                        got = self.backend.read_into(file, view[pos : pos + n], t.offset + off)
                     finally:
                         file.close()
                     ok = got == n
@@ -413,16 +414,17 @@ class PeerRestore:
 _GOOD, _MORE, _DAMAGED = 1, 2, 0  # a piece's flag
 
 
-def _stage(handles: dict[int, int], staging: str, m: mf.Manifest, f: int, offset: int, data: memoryview) -> None:
-    """At a receiving node's leader: write received bytes at their offset of the staged file."""
+def _stage(backend: FileBackend, handles: dict[int, DirectFile], staging: str, m: mf.Manifest, f: int, offset: int,
+           data: memoryview) -> None:
+    """At a receiving node's leader: write received bytes at their offset of the staged file (a
+    sparse file of the listed size, in the staging directory of the first root), through the
+    file seam."""
     if f not in handles:
         path = os.path.join(staging, m.files[f].name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        handles[f] = fd
-        os.ftruncate(fd, m.files[f].size)
-    done = 0
-    while done < len(data):
-        done += os.pwrite(handles[f], data[done:], offset + done)
+        file = backend.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "off", 0, mode=0o600)
+        handles[f] = file
+        backend.truncate(file, m.files[f].size)
+    backend.pwrite(handles[f], data, offset)
 
 
 @dataclass(frozen=True)

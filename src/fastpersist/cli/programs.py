@@ -12,7 +12,7 @@ import importlib.util
 import os
 import sys
 
-# src/fastpersist/cli/_programs.py -> the checkout's root holds benchmarks/ beside src/
+# src/fastpersist/cli/programs.py -> the checkout's root holds benchmarks/ beside src/
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BENCHMARKS = os.path.join(_ROOT, "benchmarks")
 

@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from fastpersist.config import IOConfig, configure, get_config
+from fastpersist.options import Durable, Nodes, Retention
 from fastpersist.errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -89,12 +90,15 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "DistributedCheckpointError",
+    "Durable",
     "FileBackend",
     "GlooComm",
     "IOConfig",
     "LocalComm",
+    "Nodes",
     "RNGState",
     "ReplicaMismatchError",
+    "Retention",
     "SaveHandle",
     "SaveMetrics",
     "UnsaveableObjectError",

@@ -72,7 +72,7 @@ class IOConfig:
     # fastpersist.save: place each storage of zero_copy_min_bytes or more at its memory's 4 KiB
     # phase, so its middle is written from the tensor without a copy. Off by default: on the
     # project's machine (virtio disk) writes from a model's tensors measured 6-7% slower than
-    # through the staging pool (docs/BENCHMARKS.md, "The write path, second day");
+    # through the staging pool (docs/benchmarks-history.md, "The write path, second day");
     # the copy costs ~0.18 CPU s per GB. Where CPU or memory bandwidth is short, turn it on.
     single_file_zero_copy: bool = False
     # The niceness of the durable tier's drain thread (Linux, per thread): its CPU share against

@@ -135,7 +135,7 @@ class RNGState:
         torch.set_rng_state(state["torch"].cpu())
         py = state["python"]
         random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
-        if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
+        if "cuda" in state and torch.cuda.is_available():  # pragma: no cover - no GPU in CI (tests/unit/io/test_gpu.py)
             _set_cuda_states(state["cuda"])
         np = _numpy()
         if np is not None and "numpy" in state:
@@ -144,7 +144,7 @@ class RNGState:
                                  s["cached"]))
 
 
-def _set_cuda_states(states: Sequence[Any]) -> None:  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
+def _set_cuda_states(states: Sequence[Any]) -> None:  # pragma: no cover - no GPU in CI (tests/unit/io/test_gpu.py)
     """Restore one generator state per visible device, on the host (``set_rng_state`` refuses GPU
     tensors); a different device count than at save time restores the common ones and says so."""
     import torch

@@ -79,7 +79,7 @@ _FAULT_STEP = 64 << 20
 def fault_in(addr: int, nbytes: int) -> None:
     """Fault in every page of fresh memory now (in the kernel where it can, else by writing
     zeros), in steps that each release the GIL: memory touched for the first time costs
-    many times a copy into it (docs/BENCHMARKS.md, "The first save"), so whoever can pay it
+    many times a copy into it (docs/BENCHMARKS.md, "The first save: cold memory and `reserve()`"), so whoever can pay it
     ahead of time, off the path that waits, does."""
     for start in range(0, nbytes, _FAULT_STEP):
         n = min(_FAULT_STEP, nbytes - start)

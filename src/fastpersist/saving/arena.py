@@ -64,7 +64,7 @@ class Arena:
 
         The first touch of fresh memory is what makes a job's first snapshot slow (this
         machine: 1.7-3 s per GiB against 0.1 s for a copy into memory touched before,
-        docs/BENCHMARKS.md "The first save"); reserved ahead, the first save copies into ready
+        docs/BENCHMARKS.md "The first save: cold memory and `reserve()`"); reserved ahead, the first save copies into ready
         memory. The reservation takes its place in line at once and holds the arena while it
         works, so a save that comes before it is done waits for the rest of it (at most the
         first touch of the reserved size). A reservation that fails is logged; the arena is

@@ -129,7 +129,7 @@ class Capture:
             raise CheckpointError("internal: the snapshot arena is smaller than the state it must hold")
         dst = self.arena[self.pos : self.pos + n]
         src = torchzip.byte_view(s)
-        if src.device.type == "cuda":  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
+        if src.device.type == "cuda":  # pragma: no cover - no GPU in CI (tests/unit/io/test_gpu.py)
             stream = self.streams.get(src.device)
             if stream is None:  # device-to-host copies on a side stream of that device, into pinned memory
                 stream = self.streams[src.device] = torch.cuda.Stream(device=src.device)
@@ -213,6 +213,6 @@ class Capture:
         self.pending.clear()
 
     def finish(self) -> None:
-        for stream in self.streams.values():  # pragma: no cover - no GPU in CI (tests/test_gpu.py)
+        for stream in self.streams.values():  # pragma: no cover - no GPU in CI (tests/unit/io/test_gpu.py)
             stream.synchronize()
         ready_events.mark(self.live_seen)  # guarded device storages: the save point, for the writer

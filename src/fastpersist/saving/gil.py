@@ -5,7 +5,7 @@ interpreter's switch interval (``sys.setswitchinterval``, 5 ms by default). The 
 gives up the GIL inside every operator and takes it back after; while the save thread runs
 Python (the skeleton's pickle, placement, the manifest), each of those returns can wait up to
 a whole interval, so a background save costs training about the time its Python holds the GIL
-(docs/BENCHMARKS.md, "What overlap mode costs training, and why"). With a shorter interval the
+(docs/benchmarks-history.md, "What overlap mode costs training, and why"). With a shorter interval the
 training thread waits at most that long each time, and the save's Python runs while training
 is inside its operators.
 

@@ -176,3 +176,47 @@ def test_the_janitor_keeps_a_checkpoint_whose_manifest_cannot_be_removed(tmp_pat
     assert [e.step for e in catalog.scan(root) if e.committed] == [1]
     janitor.close()
     assert Retention(keep=1).to_delete([commit, Commit(2, 2, 0.0)]) == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the saver (the training thread's side)
+
+
+def _saver(mode: str, run, **kw):  # type: ignore[no-untyped-def]
+    from fastpersist.saving.saver import Saver
+
+    args = dict(mode=mode, max_in_flight=1, when_busy="wait", snapshot_bytes=1 << 30, history=10,
+                config=fp.get_config, roots=1)
+    args.update(kw)
+    return Saver(run, LocalComm(), **args)  # type: ignore[arg-type]
+
+
+def test_the_saver_returns_once_staged_and_the_job_runs_on_a_copy():
+    release, seen = threading.Event(), []
+
+    def run(j: SaveJob) -> None:
+        release.wait(60)
+        seen.append(j.state["w"].clone())
+
+    saver = _saver("snapshot", run)
+    w = torch.zeros(1000)
+    handle = saver.save(1, {"w": w}, None, None, None, time.perf_counter())
+    assert handle.staged.done() and not handle.done()  # save() returned before the write
+    w += 1  # training goes on
+    release.set()
+    handle.result(60)
+    assert torch.equal(seen[0], torch.zeros(1000)) and list(saver.history)[-1].step == 1
+    saver.close()
+
+
+def test_a_sync_saver_waits_for_the_commit_and_raises_its_failure():
+    def run(j: SaveJob) -> None:
+        if j.step == 2:
+            raise CheckpointWriteError("step 2 failed")
+
+    saver = _saver("sync", run)
+    assert saver.save(1, {"w": torch.ones(3)}, None, None, None, time.perf_counter()).done()
+    with pytest.raises(CheckpointWriteError, match="step 2 failed"):
+        saver.save(2, {"w": torch.ones(3)}, None, None, None, time.perf_counter())
+    assert saver.reserve({"w": torch.ones(3)}, None, None).result(60) == 0  # sync saves copy nothing
+    saver.close()

@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -415,14 +415,8 @@ class Drainer:
         except CheckpointError as e:
             logger.warning("durable retention skipped: %s", e)
             return
-        by_step: dict[int, list[str]] = {}
-        for k in present:
-            s = catalog.parse_step_dir(k.split("/", 1)[0])
-            if s is not None:
-                by_step.setdefault(s, []).append(k)
-        committed = {s for s, keys in by_step.items() if f"{catalog.step_dir(s)}/{mf.MANIFEST_NAME}" in keys}
-        leftovers = [s for s in by_step if s not in committed and s not in self.pending()]
-        for s in sorted(set(victims) | set(leftovers)):
+        by_step, leftovers = _leftovers(present, self.pending())
+        for s in sorted(set(victims) | leftovers):
             manifest = f"{catalog.step_dir(s)}/{mf.MANIFEST_NAME}"
             try:
                 self.store.delete(manifest)  # first: it stops being a checkpoint
@@ -434,6 +428,18 @@ class Drainer:
             for k in by_step.get(s, []):
                 if k != manifest:
                     _quietly(self.store.delete, k)
+
+
+def _leftovers(keys: Iterable[str], draining: set[int]) -> tuple[dict[int, list[str]], set[int]]:
+    """The durable tier's keys by step, and the steps whose drain was killed: objects without
+    a manifest, not being drained now."""
+    by_step: dict[int, list[str]] = {}
+    for k in keys:
+        s = catalog.parse_step_dir(k.split("/", 1)[0])
+        if s is not None:
+            by_step.setdefault(s, []).append(k)
+    committed = {s for s, ks in by_step.items() if f"{catalog.step_dir(s)}/{mf.MANIFEST_NAME}" in ks}
+    return by_step, {s for s in by_step if s not in committed and s not in draining}
 
 
 class _SourceFailed(Exception):

@@ -386,7 +386,7 @@ class S3Store(Store):
 
     def chunks(self, key: str, size: int) -> Iterator[memoryview]:
         """Ranged reads of PART_BYTES, READS_IN_FLIGHT at once, yielded in order (one stream
-        of back-to-back ranges reads at ~0.6 of what 8 in flight reach: docs/BENCHMARKS.md)."""
+        of back-to-back ranges reads at ~0.6 of what 8 in flight reach: docs/benchmarks-history.md, "Durable tier: drain and restore through S3")."""
         parts = [(pos, min(PART_BYTES, size - pos)) for pos in range(0, size, PART_BYTES)]
         if not parts:
             return

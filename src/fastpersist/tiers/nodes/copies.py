@@ -1,4 +1,4 @@
-"""Copies of a rank's unique bytes on other nodes (step 2 of the save protocol, several nodes).
+"""Copies of a rank's unique bytes on other nodes (beside the write phase of a save, several nodes).
 
 The replicated state needs no network for its copies (every node holds it; see
 :mod:`fastpersist.topology`). What only one rank holds, its ``rank_state`` and the DTensor pieces

@@ -22,7 +22,7 @@ import torch
 import fastpersist as fp
 from fastpersist.tiers.durable.store import S3Store, StoreAccessError
 from fastpersist.errors import ChecksumMismatchError
-from helpers import assert_state_equal, fsdp_mlp, gathered, replicated, run_ranks
+from helpers import SUPPORT, assert_state_equal, fsdp_mlp, gathered, replicated, run_ranks
 from s3servers import skip_reason, start_moto, start_seaweedfs
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
@@ -134,7 +134,7 @@ _KILL_CHILD = textwrap.dedent("""
 def test_drain_killed_at_a_random_instant_never_looks_complete(seaweed, tmp_path, monkeypatch, trial):
     url = bucket(seaweed, monkeypatch)
     root = str(tmp_path / "ck")
-    code = _KILL_CHILD.format(tests=os.path.dirname(__file__), root=root, url=url)
+    code = _KILL_CHILD.format(tests=SUPPORT, root=root, url=url)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     rng = random.Random(trial)
     target = rng.choice([1, 2])

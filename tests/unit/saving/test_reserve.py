@@ -31,18 +31,26 @@ def _state(seed: int, mib: int) -> dict:
 def test_reserve_faults_the_arena_in_so_the_first_save_copies_into_ready_memory(tmp_path, small_io):
     """Guards against a reservation that only allocates: untouched memory is what makes the
     first save slow, so the pages must be resident (RSS) before the save, and the save must
-    copy into them rather than into new memory."""
+    copy into them rather than into new memory. Measured in a fresh process: in a long-lived
+    one (the suite's), memory freed by earlier tests may already be resident."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        pool.apply(_reserve_in_fresh_memory, (str(tmp_path), small_io))
+
+
+def _reserve_in_fresh_memory(tmp: str, small_io: fp.IOConfig) -> None:
     state = _state(1, 48)
     need = align_up(state["big"].nbytes) + align_up(state["small"].nbytes)
     # control: without a reservation the first save's copy grows the process by the state's size
-    plain = fp.Checkpointer(str(tmp_path / "plain"), config=small_io)
+    plain = fp.Checkpointer(f"{tmp}/plain", config=small_io)
     before = _rss()
     plain.save(1, state).result()
     assert _rss() - before > 0.9 * need
     plain.close()
     del plain
 
-    ck = fp.Checkpointer(str(tmp_path / "reserved"), config=small_io)
+    ck = fp.Checkpointer(f"{tmp}/reserved", config=small_io)
     before = _rss()
     assert ck.reserve(state).result(timeout=60) == need
     assert ck.snapshot_memory == need

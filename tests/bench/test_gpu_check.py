@@ -11,8 +11,9 @@ import sys
 import pytest
 
 import bench_path  # noqa: F401  (benchmarks/ on sys.path)
+from helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 # The smoke run takes under 30 s on an idle machine; the bound leaves room for a shared, loaded one.
 BOUND_S = 240
 

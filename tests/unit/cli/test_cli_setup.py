@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+from helpers import REPO
 STAMP = os.path.join(REPO, ".venv", ".fastpersist-setup")
 
 

@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from helpers import SUPPORT
 from helpers import states_equal as _equal
 
 import fastpersist as fp
@@ -25,10 +26,9 @@ from fastpersist.storage.catalog import TEMP_SUFFIX
 from fastpersist.checkpointer import Checkpointer, list_checkpoints
 from fastpersist.storage.backend import PROTOCOL_POINTS
 
-sys.path.insert(0, os.path.dirname(__file__))
 from crash_child import state  # noqa: E402
 
-CHILD = os.path.join(os.path.dirname(__file__), "crash_child.py")
+CHILD = os.path.join(SUPPORT, "crash_child.py")
 
 
 def _run_child(roots: list[str], mode: str, point: str, at: int, delay: float,

@@ -19,26 +19,9 @@ import torch
 import fastpersist as fp
 from fastpersist.tiers.durable.store import DirStore, StoreAccessError, StoreError
 from fastpersist.errors import ChecksumMismatchError, CheckpointNotFoundError, CorruptCheckpointError
-from helpers import assert_state_equal, fsdp_mlp, gathered, per_rank, replicated, run_ranks
+from helpers import SUPPORT, HeldStore, assert_state_equal, fsdp_mlp, gathered, per_rank, replicated, run_ranks
 
 SMALL = 300_000
-
-
-class HeldStore(DirStore):
-    """A real durable directory whose uploads of keys containing ``hold`` wait for release()."""
-
-    def __init__(self, path: str, hold: str = "") -> None:
-        super().__init__(path)
-        self.hold = hold
-        self.holding = threading.Event()
-        self.released = threading.Event()
-
-    def put_file(self, key, chunks, size):  # type: ignore[no-untyped-def]
-        if self.hold and self.hold in key and not self.released.is_set():
-            self.holding.set()
-            if not self.released.wait(60):
-                raise TimeoutError("the test never released the held upload")
-        super().put_file(key, chunks, size)
 
 
 class FailingStore(DirStore):
@@ -337,7 +320,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import fastpersist as fp
 from helpers import replicated
-from test_durable import HeldStore
+from helpers import HeldStore
 store = HeldStore({durable!r}, hold="step-00000002/")
 ck = fp.Checkpointer({root!r}, mode="snapshot", durable=store)
 ck.save(1, replicated(1, {small}))
@@ -353,7 +336,7 @@ def test_drain_in_flight_at_exit_is_finished(tmp_path):
     import sys
 
     root, durable = str(tmp_path / "ck"), str(tmp_path / "durable")
-    code = _EXIT_CHILD.format(tests=os.path.dirname(__file__), root=root, durable=durable, small=SMALL)
+    code = _EXIT_CHILD.format(tests=SUPPORT, root=root, durable=durable, small=SMALL)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert durable_steps(durable) == [1, 2]

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from helpers import free_port
+from helpers import SUPPORT, free_port
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_train_child.py")
+CHILD = os.path.join(SUPPORT, "node_train_child.py")
 STEPS = 10
 
 

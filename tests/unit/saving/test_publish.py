@@ -18,9 +18,9 @@ import torch
 import fastpersist as fp
 from fastpersist.errors import CheckpointNotFoundError, CheckpointWriteError
 from fastpersist.storage.publish import OLD_SUFFIX, PARTIAL_SUFFIX, directory_checkpoint, sweep
-from helpers import run_ranks
+from helpers import REPO, run_ranks
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.join(REPO, "src")
 
 
 def _state(i: int) -> dict:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
+SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
 
 
 def require(module: str) -> None:

@@ -22,9 +22,9 @@ import sys
 import pytest
 
 import fastpersist as fp
-from helpers import free_port
+from helpers import SUPPORT, free_port
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clean_exit_child.py")
+CHILD = os.path.join(SUPPORT, "clean_exit_child.py")
 WORLD = 4
 
 

@@ -17,8 +17,9 @@ import fastpersist as fp
 from fastpersist.cli import COMMANDS, main
 from fastpersist.cli import checkpoints, progress
 from fastpersist.cli.units import rate, size
+from helpers import REPO
 
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+SRC = os.path.join(REPO, "src")
 
 
 def _py(code: str) -> subprocess.CompletedProcess[str]:

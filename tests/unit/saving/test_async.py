@@ -13,7 +13,7 @@ import sys
 import threading
 
 import pytest
-from helpers import HeldBackend, blocked, wait_until
+from helpers import SUPPORT, HeldBackend, blocked, wait_until
 from helpers import states_equal as _same
 import torch
 
@@ -25,7 +25,7 @@ from fastpersist.timeline import Commit
 from fastpersist.state import RNGState
 
 MODES = ["sync", "snapshot", "overlap"]
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = SUPPORT  # the child programs
 
 
 class Failing(FileBackend):

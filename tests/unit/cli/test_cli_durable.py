@@ -20,13 +20,14 @@ import torch
 
 import fastpersist as fp
 from fastpersist.cli import main
+from helpers import REPO
 
 pytest.importorskip("obstore")
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
 BUCKET = f"fp-cli-{secrets.token_hex(4)}"  # moto's buckets are process-global: one of this module's own
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+SRC = os.path.join(REPO, "src")
 
 
 @pytest.fixture(scope="module")

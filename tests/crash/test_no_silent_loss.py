@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from helpers import HeldBackend, assert_state_equal, file_names, replicated, run_ranks, states_equal, wait_until
+from helpers import SUPPORT, HeldBackend, assert_state_equal, file_names, replicated, run_ranks, states_equal, wait_until
 
 import fastpersist as fp
 from fastpersist.storage.faults import Fault, FaultyBackend
@@ -194,7 +194,7 @@ ck.save(6, replicated(106, {small}))
 
 def test_crash_before_the_new_timeline_commits(tmp_path):
     root = str(tmp_path / "ck")
-    code = _CRASH_CHILD.format(tests=os.path.dirname(__file__), root=root, small=SMALL)
+    code = _CRASH_CHILD.format(tests=SUPPORT, root=root, small=SMALL)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
     view = fp.open(root)
@@ -498,7 +498,7 @@ def test_checkpoint_in_flight_at_exit_is_finished_over_two_roots(tmp_path):
     exit: the exit hook must run before that, or the last checkpoint is lost. (The child's
     writes are held until it exits, so its checkpoint is in flight then, every run.)"""
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
-    code = _EXIT_CHILD.format(tests=os.path.dirname(__file__), roots=roots, small=SMALL)
+    code = _EXIT_CHILD.format(tests=SUPPORT, roots=roots, small=SMALL)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "failed" not in proc.stderr, proc.stderr
     assert_state_equal(fp.open(roots).load(1), replicated(1, SMALL))

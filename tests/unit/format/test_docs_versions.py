@@ -7,8 +7,9 @@ import os
 import re
 
 from fastpersist.format import manifest, torchzip
+from helpers import REPO
 
-FORMAT_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "FORMAT.md")
+FORMAT_MD = os.path.join(REPO, "docs", "FORMAT.md")
 
 
 def _text() -> str:

@@ -1,8 +1,9 @@
 """The test layer every test file builds on: state builders, one strict equality, one
 multi-rank runner, and a backend that holds writes open until the test releases them.
 
-Import it as ``from helpers import ...`` (pytest puts ``tests/`` on the path; spawned ranks
-inherit it).
+Import it as ``from helpers import ...``: ``tests/support`` is on the path (pyproject's pytest
+``pythonpath``; spawned ranks inherit it). ``SUPPORT`` is this folder (the child programs, the
+fixtures), ``REPO`` the checkout.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Any
 import torch
 
 from fastpersist.storage.backend import FileBackend
+from fastpersist.tiers.durable.store import DirStore
+
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(SUPPORT))
 
 # ---------------------------------------------------------------------------------------------
 # states
@@ -268,6 +273,23 @@ class HeldBackend(FileBackend):
 
     def release(self) -> None:
         self._released.set()
+
+
+class HeldStore(DirStore):
+    """A real durable directory whose uploads of keys containing ``hold`` wait for release()."""
+
+    def __init__(self, path: str, hold: str = "") -> None:
+        super().__init__(path)
+        self.hold = hold
+        self.holding = threading.Event()
+        self.released = threading.Event()
+
+    def put_file(self, key, chunks, size):  # type: ignore[no-untyped-def]
+        if self.hold and self.hold in key and not self.released.is_set():
+            self.holding.set()
+            if not self.released.wait(60):
+                raise TimeoutError("the test never released the held upload")
+        super().put_file(key, chunks, size)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:

@@ -12,13 +12,13 @@ import os
 
 import pytest
 import torch
-from helpers import assert_state_equal
+from helpers import SUPPORT, assert_state_equal
 
 import fastpersist
 from fastpersist.cli import main
 from fastpersist.errors import CheckpointReadError, UnverifiedCheckpointError
 
-HERE = os.path.join(os.path.dirname(__file__), "fixtures")
+HERE = os.path.join(SUPPORT, "fixtures")
 
 
 def _roots(version: int) -> list[str]:

@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,7 +37,7 @@ from fastpersist.config import IOConfig, get_config
 from fastpersist.dist import Comm, LocalComm, default_comm, host_name
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.loading.view import CheckpointInfo, CheckpointView, Roots, list_checkpoints, load_checkpoint, root_list
-from fastpersist.options import Durable, Nodes, Options, Retention, from_shorthands
+from fastpersist.options import Durable, Nodes, Options, Retention, Shorthands, from_shorthands
 from fastpersist.saving.arguments import check_arguments, check_metadata, check_step, positive_int
 from fastpersist.saving.coordinator import Coordinator
 from fastpersist.saving.extension import Extension
@@ -57,6 +57,9 @@ from fastpersist.tiers.durable.view import durable_view
 from fastpersist.tiers.nodes.extension import NodeCopies
 from fastpersist.tiers.resolve import ReadMethods, Tiers
 from fastpersist.topology import NodeMap, Placement, check_redundancy, node_id, writer_ranks
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack of **kwargs is Python 3.12's
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +146,10 @@ class Checkpointer(ReadMethods):
         timeout_s: float = 600.0,
         clean_start: bool = True,
         history: int = 1000,
-        **shorthands: Any,
+        **shorthands: Unpack[Shorthands],
     ) -> None:
         check_arguments(mode, max_in_flight, snapshot_bytes, history, timeout_s)
-        options = from_shorthands(retention, durable, nodes, shorthands)
+        options = from_shorthands(retention, durable, nodes, dict(shorthands))
         block = block_size(incremental)
         paths = root_list(roots)
         self.comm = _comm(comm, timeout_s)

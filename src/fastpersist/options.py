@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from fastpersist.timeline import Commit, abandoned_steps, in_commit_order
 
@@ -51,6 +51,16 @@ class Retention:
     keep: int | None = None
     every: int | None = None
     abandoned: str = "keep"
+
+    @property
+    def keep_last(self) -> int | None:
+        """``keep``, by its name in earlier releases."""
+        return self.keep
+
+    @property
+    def keep_every(self) -> int | None:
+        """``every``, by its name in earlier releases."""
+        return self.every
 
     def __post_init__(self) -> None:
         _count(self.keep, "keep (Retention(keep=...))")
@@ -115,6 +125,19 @@ class Nodes:
         if self.node is not None and not isinstance(self.node, str):
             raise TypeError(f"node must be a string (a node id), got {type(self.node).__name__}")
         _count(self.redundancy, "redundancy (Nodes(redundancy=...))")
+
+
+class Shorthands(TypedDict, total=False):
+    """The Checkpointer's keywords of earlier releases: shorthands for the options' fields."""
+
+    keep: int | None  # Retention.keep
+    keep_every: int | None  # Retention.every
+    abandoned: str  # Retention.abandoned
+    durable_every: int  # Durable.every
+    durable_keep: int | None  # Durable.keep
+    durable_bandwidth: float | None  # Durable.bandwidth
+    node: str | None  # Nodes.node
+    redundancy: int | None  # Nodes.redundancy
 
 
 SHORTHANDS = {

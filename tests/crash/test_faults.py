@@ -129,7 +129,7 @@ def test_stale_lock_of_a_dead_job_is_taken_over(tmp_path, caplog):
             f"c = Checkpointer({root!r}); c.save(1, {{'x': torch.ones(3)}}).wait(); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
-    assert json.load(open(os.path.join(root, ".fastpersist.storage.lock")))["pid"] > 0  # left behind
+    assert json.load(open(os.path.join(root, ".fastpersist.lock")))["pid"] > 0  # left behind
     with caplog.at_level("INFO", logger="fastpersist.storage.lock"), Checkpointer(root) as ck:
         ck.save(2, state(2)).wait()
     assert "no longer running" in caplog.text

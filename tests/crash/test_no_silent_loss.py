@@ -273,7 +273,7 @@ def test_view_reads_a_checkpoint_without_lock_or_group(tmp_path):
     assert_state_equal(view.load_rank_state(3, rank=0), {"r": torch.arange(5)})
     assert view.metadata(3) == {"loss": 1.5} and view.verify(3) == []
     assert file_names(roots) == before
-    assert os.path.getsize(os.path.join(roots[0], ".fastpersist.storage.lock")) == 0  # released, not re-taken
+    assert os.path.getsize(os.path.join(roots[0], ".fastpersist.lock")) == 0  # released, not re-taken
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def test_lock_goes_through_the_backend(tmp_path):
     ck = fp.Checkpointer(str(tmp_path / "ck"), mode="sync", backend=backend)
     with pytest.raises(fp.CheckpointWriteError, match="cannot lock"):
         ck.save(1, {"x": torch.ones(3)})
-    assert backend.fired == [("lock", str(tmp_path / "ck" / ".fastpersist.storage.lock"))]
+    assert backend.fired == [("lock", str(tmp_path / "ck" / ".fastpersist.lock"))]
     backend.arm([])
     ck.save(1, {"x": torch.ones(3)})
     ck.close()

@@ -20,18 +20,22 @@ it may run collectives of its own; the others must not)::
     check(job, plan, written)              on every rank alike: every report is known; before the commit
     decide(job, plan) -> part              rank 0, inside the commit step, before the commit point
     committed(job, plan, written, outcome) (collective) after the commit, before retention
-    failed(job, plan, outcome)             the write or the commit failed (the plan was agreed)
+    failed(job, plan, outcome)             the write or the commit failed, before the files are removed
     protected() -> steps                   steps retention must spare now
     elsewhere() -> commits                 commits held outside the roots (new ones are numbered after)
     close()                                the Checkpointer closes
 
 ``plan`` and ``check`` run on each rank without a collective: they must decide alike on every
-rank, from what every rank sees (the messages), or the ranks would part ways. A ``propose``,
-``write`` or ``decide`` hook that raises fails the save on every rank (the phase's all-gather
-carries the error). An extension's part of the rank's report comes from ``beside_write`` or from
-``write``, not both. After the commit the checkpoint stays committed whatever a hook raises; a
-``committed`` hook that raises fails the save's handle (publishing does, when the named
-directory could not take the checkpoint), others say what went wrong in the log.
+rank, from what every rank sees (the messages), or the ranks would part ways; so must ``start``
+and ``prepare`` (a refusal there goes through a collective of their own). A ``propose``,
+``write``, ``beside_write`` or ``decide`` hook that raises fails the save on every rank (the
+phase's all-gather carries the error). An extension's part of the rank's report comes from
+``beside_write`` or from ``write``, not both. The ranks must run the same extensions (each
+proposal names them; a difference is refused, naming the extension's ``option``). After the
+commit the checkpoint stays committed whatever a hook raises: every ``committed`` hook runs,
+then retention, and the first error is raised then (it fails the save's handle: publishing does
+when the named directory could not take the checkpoint). A ``failed`` hook that raises is
+logged; the cleanup and the save's own error go on.
 """
 
 from __future__ import annotations
@@ -59,11 +63,8 @@ class Core(Protocol):
     comm: Comm
     coordinator: Coordinator
 
-    def in_flight(self) -> set[int]:
-        """The steps of the saves queued or running (retention spares them)."""
-
     def retain(self) -> None:
-        """Apply retention now (on the rank that speaks for its node's roots)."""
+        """Apply retention now (rank 0; the other nodes' leaders follow it at each commit)."""
 
 
 class Writer(Protocol):
@@ -126,7 +127,8 @@ def run_beside(name: str, fn: Callable[[], Written]) -> Beside:
 class Extension:
     """One thing a save does besides its core (see the module for the hooks and their order)."""
 
-    name: ClassVar[str] = "extension"
+    name: ClassVar[str] = "extension"  # its key in the messages' parts
+    option: ClassVar[str] = ""  # the Checkpointer argument that turns it on (named when ranks differ); "": its name
     core: Core
 
     def attach(self, core: Core) -> None:
@@ -159,7 +161,7 @@ class Extension:
     def committed(self, job: SaveJob, plan: SavePlan, written: Sequence[RankReport], outcome: Committed) -> None:
         pass
 
-    def failed(self, job: SaveJob, plan: SavePlan | None, outcome: Committed | None) -> None:
+    def failed(self, job: SaveJob, plan: SavePlan, outcome: Committed | None) -> None:
         pass
 
     def protected(self) -> set[int]:

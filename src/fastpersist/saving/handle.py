@@ -154,7 +154,7 @@ class Completion:
             wrapped.__cause__ = error
             error = wrapped
         self.staged()
-        if error is not None or not self._draining:
+        if not self._draining:  # a drain in flight completes the durable future itself
             self.not_drained()
         if error is None:
             handle._committed.set_result(handle.metrics)

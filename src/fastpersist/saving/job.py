@@ -26,7 +26,7 @@ class SaveJob:
     """
 
     step: int
-    state: Any  # saveable: state_dicts taken; in the background modes, captured (see stage.py)
+    state: Any  # saveable: state_dicts taken; in the background modes, captured (see capture.py)
     rank_state: Any
     metadata: Mapping[str, Any] | None
     completion: Completion
@@ -39,7 +39,7 @@ class SaveJob:
     prepared: tuple[Prepared, Prepared | None] | None = None  # pickled state and rank state
     directory: str | None = None  # save(directory=...): published there after the commit
     fill: Fill | None = None  # the snapshot arena while save() is still copying into it
-    capture: Capture | None = None  # the copies save() makes once the job is queued (stage.py)
+    capture: Capture | None = None  # the copies save() makes once the job is queued (stage.py, capture.py)
 
     @property
     def handle(self) -> SaveHandle:

@@ -36,7 +36,7 @@ def chunk_key(meta: dtensor.ChunkMeta) -> ChunkKey:
 
 @dataclass(frozen=True)
 class Proposal:
-    """Step 1 (every rank): what this rank is about to save."""
+    """The propose phase (every rank): what this rank is about to save."""
 
     digest: str  # of the plan: storages' sizes, slots and the skeleton
     save_id: str  # rank 0's is used by everyone
@@ -44,6 +44,7 @@ class Proposal:
     number: int  # this Checkpointer's n-th save on that rank (ranks out of step are caught)
     chunks: tuple[dtensor.ChunkMeta, ...]  # this rank's DTensor chunks
     parts: Mapping[str, Any] = field(default_factory=dict)  # extension name -> its part
+    extensions: tuple[str, ...] = ()  # the options of the extensions this rank runs (the ranks must agree)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class SavePlan:
 
 @dataclass(frozen=True)
 class RankReport:
-    """Step 2 (every rank): what this rank wrote, for the manifest."""
+    """The write phase (every rank): what this rank wrote, for the manifest."""
 
     reports: tuple[FileReport, ...]
     objects: Objects  # the objects whose skeleton this rank wrote
@@ -83,8 +84,8 @@ class Decision:
 
 @dataclass(frozen=True)
 class Committed:
-    """Step 3 (rank 0): the commit's outcome. On one node the manifest is written by then; on
-    several nodes ``decision`` is what every node's leader writes next."""
+    """The commit phase (rank 0): the commit's outcome. On one node the manifest is written by
+    then; on several nodes ``decision`` is what every node's leader writes next."""
 
     decision: Decision | None = None
     parts: Mapping[str, Any] = field(default_factory=dict)  # extension name -> what it decided at the commit

@@ -111,8 +111,10 @@ class SaveProtocol:
         return self.in_flight().union(*(ext.protected() for ext in self.extensions))
 
     def retain(self) -> None:
-        """Apply retention now (an extension that held steps back let them go)."""
-        self.coordinator.retain(self.protected())
+        """Apply retention now (an extension that held steps back let them go). Rank 0 only:
+        on several nodes the other leaders follow rank 0's decisions at each commit."""
+        if self.rank == 0:
+            self.coordinator.retain(self.protected())
 
     def close(self) -> None:
         """Finish the extensions' background work (the drains in flight), then release the
@@ -131,11 +133,11 @@ class SaveProtocol:
             raise
         try:
             self._write(attempt)
-            self._commit(attempt)
+            outcome = self._commit(attempt)
         except CheckpointError:
             self._failed(attempt)
             raise
-        self._after_commit(attempt)
+        self._after_commit(attempt, outcome)
 
     # ------------------------------------------------------------------------------------
     # propose and plan
@@ -164,7 +166,8 @@ class SaveProtocol:
         rep = job.prepared[0]
         parts = {ext.name: part for ext in self.extensions if (part := ext.propose(job)) is not None}
         return Proposal(self.placement.digest(rep.sizes, rep.skeleton_checksum), secrets.token_hex(6), job.step,
-                        job.number, tuple(sh.meta for sh in job.shards), parts)
+                        job.number, tuple(sh.meta for sh in job.shards), parts,
+                        tuple(ext.option or ext.name for ext in self.extensions))
 
     def _plan(self, job: SaveJob, proposals: Sequence[Proposal]) -> SavePlan:
         """The plan every rank derives alike from the proposals; or, on every rank alike, why not."""
@@ -180,14 +183,15 @@ class SaveProtocol:
                 "more saves (nothing further is committed): restart the job's Checkpointers"
             )
             raise CheckpointWriteError(self.broken)
-        mixed = [r for r, x in enumerate(proposals) if set(x.parts) != set(first.parts)]
+        mixed = [r for r, x in enumerate(proposals) if set(x.extensions) != set(first.extensions)]
         if mixed:  # every rank must run every extension's hooks, or some would wait in a collective
-            name = sorted(set(proposals[mixed[0]].parts) ^ set(first.parts))[0]
+            theirs = proposals[mixed[0]].extensions
+            name = sorted(set(theirs) ^ set(first.extensions))[0]
             raise CheckpointWriteError(
                 f"checkpoint step {job.step}: the ranks' Checkpointers disagree on {name}=: rank {mixed[0]} "
-                f"{'uses' if name in proposals[mixed[0]].parts else 'does not use'} it, rank 0 "
-                f"{'does' if name in first.parts else 'does not'}; every rank constructs its Checkpointer with the "
-                "same arguments")
+                f"{'uses' if name in theirs else 'does not use'} it, rank 0 "
+                f"{'does' if name in first.extensions else 'does not'}; every rank constructs its Checkpointer with "
+                "the same arguments")
         differing = [r for r, x in enumerate(proposals) if x.digest != first.digest]
         if differing:
             raise CheckpointWriteError(
@@ -210,16 +214,17 @@ class SaveProtocol:
         for ext in self.extensions:
             ext.check(a.job, a.plan, a.written)
 
-    def _commit(self, a: _Attempt) -> None:
+    def _commit(self, a: _Attempt) -> Committed:
         decide = functools.partial(self._decide, a.job, a.plan, a.written)
         outcome = agree(self.comm, f"committing checkpoint step {a.job.step}", decide)[0]
         if outcome is None:  # pragma: no cover - rank 0 always sends one
             raise CheckpointWriteError(f"committing checkpoint step {a.job.step}: rank 0 sent no outcome")
-        a.outcome = outcome
+        a.outcome = outcome  # a failure on the nodes from here on must know what rank 0 decided
         decision = outcome.decision
         if decision is not None:
             on_node = functools.partial(self._commit_on_node, a.job.step, a.plan, a.written, decision)
             agree(self.comm, f"committing checkpoint step {a.job.step} on every node", on_node)
+        return outcome
 
     def _decide(self, job: SaveJob, plan: SavePlan, written: list[RankReport]) -> Committed | None:
         """Rank 0's part of the commit step (the others send None): the extensions' decisions
@@ -242,7 +247,8 @@ class SaveProtocol:
         """Before the commit point: every rank removes what it wrote for this save id. When the
         nodes' commit failed on some after others wrote, the files stay if any node committed."""
         for ext in self.extensions:
-            ext.failed(a.job, a.plan, a.outcome)
+            self._quietly(a.job.step, f"extension {ext.name!r} after the failure", ext.failed, a.job, a.plan,
+                          a.outcome, committed=False)
         decision = a.outcome.decision if a.outcome is not None else None
         if not self._committed(a.job.step, a.plan.save_id, decision is not None):
             catalog.remove_files(self.writer.roots, a.job.step, f"{a.plan.save_id}-", self.writer.backend, prune=True)
@@ -262,29 +268,38 @@ class SaveProtocol:
             return True
 
     # ------------------------------------------------------------------------------------
-    # after the commit: nothing here fails the save
+    # after the commit: the checkpoint stays committed whatever happens here
 
-    def _after_commit(self, a: _Attempt) -> None:
-        job, outcome = a.job, a.outcome
-        if outcome is None:  # pragma: no cover - the commit step sets it or raises
-            raise CheckpointWriteError(f"checkpoint step {job.step}: internal: no commit outcome")
+    def _after_commit(self, a: _Attempt, outcome: Committed) -> None:
+        """Every extension's ``committed`` hook runs, then retention, whatever a hook raised (so
+        every rank reaches the same collectives); the first error a hook raised is raised then."""
+        job = a.job
         self._account(job, a.written)
         if self.leader:
             self._quietly(job.step, "removing an earlier save of the same step", self.coordinator.replaced,
                           job.step, a.written)
+        error: CheckpointError | None = None
         for ext in self.extensions:
-            ext.committed(job, a.plan, a.written, outcome)
+            try:
+                ext.committed(job, a.plan, a.written, outcome)
+            except Exception as e:  # noqa: BLE001 - raised once every hook and retention have run
+                error = error or (e if isinstance(e, CheckpointError) else CheckpointWriteError(
+                    f"checkpoint step {job.step} is committed; extension {ext.name!r} failed after the commit: "
+                    f"{type(e).__name__}: {e}"))
         if self.leader:
             self._quietly(job.step, "applying retention", self.coordinator.after_commit, job.step,
                           self.protected() | {job.step}, outcome.decision)
         job.metrics.total_s = time.perf_counter() - job.started
+        if error is not None:
+            raise error
 
     @staticmethod
-    def _quietly(step: int, what: str, fn: Callable[..., object], *args: object) -> None:
+    def _quietly(step: int, what: str, fn: Callable[..., object], *args: object, committed: bool = True) -> None:
         try:
             fn(*args)
-        except Exception as e:  # noqa: BLE001 - committed: a cleanup failure must not fail the save
-            logger.warning("checkpoint step %d is committed; %s failed: %s", step, what, e)
+        except Exception as e:  # noqa: BLE001 - a cleanup failure must not hide or replace the outcome
+            state = "is committed" if committed else "failed"
+            logger.warning("checkpoint step %d %s; %s failed: %s", step, state, what, e)
 
     def _account(self, job: SaveJob, written: list[RankReport]) -> None:
         m = job.metrics

@@ -50,8 +50,12 @@ class RankWriter:
             dirs = [os.path.join(root, plan.directory) for root in self.roots]
             # beside every write of this rank's own: the extensions' work (copies for other
             # nodes run all their rounds whatever happens here, so no rank waits for a message)
-            besides = [(ext.name, b) for ext in extensions if (b := ext.beside_write(job, plan, self)) is not None]
+            besides: list[tuple[str, Beside]] = []
             try:
+                for ext in extensions:
+                    beside = ext.beside_write(job, plan, self)
+                    if beside is not None:
+                        besides.append((ext.name, beside))
                 reports, objects = self._write_own(job, plan, dirs)
                 parts: dict[str, Any] = {}
                 for ext in extensions:
@@ -123,30 +127,32 @@ class RankWriter:
                             root: int, path: str) -> FileReport:
         """Write extents of DTensor chunks this rank holds (an extent's ``storage`` is the
         chunk's index in the plan's layout) into a new file ``path``."""
-        local = {chunk_key(sh.meta): sh.tensor for sh in shards}
-        chunks = sorted({x.storage for x in extents})
-        tensors = [local[chunk_key(plan.layout.chunks[c])] for c in chunks]
-        index = {c: i for i, c in enumerate(chunks)}
-        [report] = write_chunks(mf.SHARDED, tensors, [(index[x.storage], x.start, x.nbytes) for x in extents],
-                                [(root, path)], self.backend, self._config())
-        return dataclasses.replace(report, extents=tuple(dataclasses.replace(e, storage=chunks[e.storage])
-                                                         for e in report.extents))
+        [report] = self._write_chunks(plan, shards, [(x.storage, x.start, x.nbytes) for x in extents],
+                                      [(root, path)], self._config())
+        return report
 
     def _write_shards(self, p: SavePlan, shards: list[dtensor.LocalShard], cfg: IOConfig) -> list[FileReport]:
-        """Write this rank's pieces of the distinct chunks, balanced over the roots; in the
-        reports an extent's ``storage`` is the chunk's index in ``layout.chunks``."""
-        chunks = p.layout.chunks
-        mine = [piece for piece in p.layout.pieces if piece.rank == self.rank]
+        """Write this rank's pieces of the distinct chunks, balanced over the roots."""
+        mine = [(x.chunk, x.start, x.nbytes) for x in p.layout.pieces if x.rank == self.rank]
         if not mine:
             return []
-        local = {chunk_key(sh.meta): sh.tensor for sh in shards}
-        tensors = [local[chunk_key(chunks[x.chunk])] for x in mine]
         files = [(j, os.path.join(root, p.directory, f"{p.save_id}-{mf.SHARDED}-r{self.rank:05d}-{j:04d}.bin"))
                  for j, root in enumerate(self.roots)]
-        reports = write_chunks(mf.SHARDED, tensors, [(i, x.start, x.nbytes) for i, x in enumerate(mine)],
-                               files, self.backend, cfg)
-        # tensor index i -> chunk index
-        return [dataclasses.replace(r, extents=tuple(dataclasses.replace(e, storage=mine[e.storage].chunk)
+        return self._write_chunks(p, shards, mine, files, cfg)
+
+    def _write_chunks(self, plan: SavePlan, shards: Sequence[dtensor.LocalShard],
+                      pieces: Sequence[tuple[int, int, int]], files: Sequence[tuple[int, str]],
+                      cfg: IOConfig) -> list[FileReport]:
+        """Write pieces (chunk index in the plan's layout, start in the chunk, bytes) of the
+        DTensor chunks this rank holds, balanced over ``files`` ((root, path)); in the reports
+        an extent's ``storage`` is the chunk's index."""
+        local = {chunk_key(sh.meta): sh.tensor for sh in shards}
+        chunks = sorted({c for c, _, _ in pieces})
+        index = {c: i for i, c in enumerate(chunks)}
+        tensors = [local[chunk_key(plan.layout.chunks[c])] for c in chunks]
+        reports = write_chunks(mf.SHARDED, tensors, [(index[c], start, n) for c, start, n in pieces], files,
+                               self.backend, cfg)
+        return [dataclasses.replace(r, extents=tuple(dataclasses.replace(e, storage=chunks[e.storage])
                                                      for e in r.extents)) for r in reports]
 
 

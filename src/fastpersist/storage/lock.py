@@ -2,7 +2,7 @@
 
 Two jobs pointed at the same root by mistake would delete each other's in-progress saves (the
 start-up cleanup) and race on ``latest``. The coordinator of a Checkpointer therefore holds
-``<first root>/.fastpersist.storage.lock`` with ``flock`` from its first save until ``close()``. The
+``<first root>/.fastpersist.lock`` with ``flock`` from its first save until ``close()``. The
 kernel releases a flock when its process dies, so a lock left by a crashed job is recognised
 as stale simply because it can be taken; the file's content (pid, host, time) only serves the
 error message and the log. Readers (load, list, ls, verify) never take the lock.
@@ -25,7 +25,7 @@ from fastpersist.storage.backend import FileBackend
 
 logger = logging.getLogger(__name__)
 
-LOCK_NAME = ".fastpersist.storage.lock"
+LOCK_NAME = ".fastpersist.lock"
 
 
 class RootLock:

@@ -194,7 +194,9 @@ def test_an_interrupt_while_the_load_waits_for_its_reads_stops_them():
 
 def test_a_failed_read_of_one_file_is_reported_not_the_stop_it_caused_in_another(tmp_path):
     """Files read side by side (read_files_at_once=2): a failed read of one file stops the other
-    file's reads, and the load must report the failure, not the ReadsStopped it caused."""
+    file's reads, and the load must report the failure, not the ReadsStopped it caused. The
+    other file's first read waits until the failure has happened, so it is under way then
+    (an event, not a delay: had the files been read one at a time, it would wait in vain)."""
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     with fastpersist.Checkpointer(roots) as ck:
         ck.save(1, {"w": torch.randn(4 << 20), "v": torch.randn(4 << 20)})
@@ -203,30 +205,34 @@ def test_a_failed_read_of_one_file_is_reported_not_the_stop_it_caused_in_another
     with pytest.raises(CheckpointReadError, match="injected") as e:
         fastpersist.open(roots, backend=backend, config=config).load(1)
     assert not isinstance(e.value, ReadsStopped) and str(tmp_path / "b") in str(e.value)
-    in_b = [path.startswith(backend.under) for path in backend.reads]
-    assert True in in_b and False in in_b[in_b.index(True):], "the files were not read side by side"
+    assert backend.held and not backend.alone, "the files were not read side by side"
 
 
 class _FailingDataReads(FileBackend):
-    """Fails the second read request of 1 MiB or more of the files under ``under``; each such
-    request of any file takes 10 ms (another file's reads are still under way when the fault
-    comes), and ``reads`` lists their paths in the order they began."""
+    """Fails the second read request of 1 MiB or more of the files under ``under``; the first
+    such request of any other file waits until that failure has happened (``held``), or, if it
+    never comes, 60 s (``alone``: the files were not read side by side)."""
 
     def __init__(self, under: str) -> None:
         super().__init__()
         self.under, self.count, self.lock = under, 0, threading.Lock()
-        self.reads: list[str] = []
+        self.failed = threading.Event()
+        self.held = self.alone = False
 
     def before_read(self, path, offset, nbytes):
         if nbytes is None or nbytes < 1 << 20:
             return
-        self.reads.append(path)
         if path.startswith(self.under):
             with self.lock:
                 self.count += 1
                 if self.count == 2:
+                    self.failed.set()
                     raise OSError(errno.EIO, "injected read fault")
-        time.sleep(0.01)
+            return
+        with self.lock:
+            first, self.held = not self.held, True
+        if first and not self.failed.wait(60):
+            self.alone = True
 
 
 # ------------------------------------------------------- when the rebuild may overlap the reads

@@ -327,7 +327,7 @@ def test_startup_cleans_leftovers(tmp_path):
     assert [(i.step, i.committed) for i in reader.list()] == [(1, True), (2, False)]
     writer = Checkpointer(str(root))
     writer.save(3, {"x": torch.ones(3)}).wait()  # the first save takes the root, then cleans
-    assert sorted(os.listdir(root)) == [".fastpersist.storage.lock", "latest", "step-00000001", "step-00000003"]
+    assert sorted(os.listdir(root)) == [".fastpersist.lock", "latest", "step-00000001", "step-00000003"]
     assert ".manifest.json.fastpersist-tmp-1234" not in os.listdir(root / "step-00000001")
 
 

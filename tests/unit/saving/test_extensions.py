@@ -21,6 +21,7 @@ from fastpersist.saving.extensions.incremental import IncrementalSaves, Probed
 from fastpersist.saving.extensions.publish import Publish
 from fastpersist.saving.extensions.replicas import ReplicaCheck
 from fastpersist.saving.messages import Proposal, RankReport, SavePlan
+from fastpersist.storage.faults import Fault, FaultyBackend
 
 
 def proposals(name: str, parts: list[Any]) -> list[Proposal]:
@@ -88,13 +89,21 @@ def test_incremental_reuses_what_did_not_change_and_relinks_it(tmp_path):
 
 
 def test_incremental_forgets_its_reference_when_a_save_fails(tmp_path):
+    """A save that fails at its commit (the manifest's rename, injected) leaves no reference:
+    the next save writes everything rather than link files the failed save may have removed."""
     root = str(tmp_path / "r")
     ext = IncrementalSaves(0, 1, 1 << 20)
-    p = make_protocol(LocalComm(), [root], [ext])
-    p.run(job(1, {"w": torch.ones(1 << 18)}))
+    backend = FaultyBackend([Fault("rename", path_contains="step-00000002")])
+    p = make_protocol(LocalComm(), [root], [ext], backend=backend)
+    w = torch.ones(1 << 18)
+    p.run(job(1, {"w": w}))
     assert ext.reuse.has_reference
-    ext.failed(job(2, {}), None, None)
-    assert not ext.reuse.has_reference  # the next save writes everything
+    with pytest.raises(CheckpointWriteError, match="injected rename fault"):
+        p.run(job(2, {"w": w}, number=2))
+    assert not ext.reuse.has_reference
+    third = job(3, {"w": w}, number=3)
+    p.run(third)
+    assert third.metrics.bytes_reused == 0 and third.metrics.bytes_written >= w.nbytes
 
 
 # ---------------------------------------------------------------------------------------------

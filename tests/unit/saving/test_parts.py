@@ -132,12 +132,16 @@ def test_work_beside_the_writes_that_fails_fails_the_save_after_the_writes_end(t
 
 
 def test_the_writer_fsyncs_the_directories_before_reporting(tmp_path):
+    """The data files' directory entries are durable before the rank says its data is written
+    (the "after-data" point, before the commit's own fsync of the directory)."""
     root = str(tmp_path / "r")
-    backend = FaultyBackend([Fault("fsync", path_contains="step-00000001", at=0, errno=None)])
+    backend = FaultyBackend([Fault("fsync", path_contains="step-00000001", at=0, errno=None),
+                             Fault("event", point="after-data", at=0, errno=None)])
     p = make_protocol(LocalComm(), [root], backend=backend)
     p.run(job(1, {"w": torch.ones(1000)}))
-    fsynced = [path for op, path in backend.fired if op == "fsync"]
-    assert os.path.join(root, "step-00000001") in fsynced  # the directory, not only its files
+    step_dir = os.path.join(root, "step-00000001")
+    data_written = backend.fired.index(("event", "after-data"))
+    assert ("fsync", step_dir) in backend.fired[:data_written]  # the directory, not only its files
 
 
 # ---------------------------------------------------------------------------------------------

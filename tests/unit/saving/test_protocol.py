@@ -18,7 +18,7 @@ from fastpersist.dist import Comm, LocalComm
 from fastpersist.errors import CheckpointWriteError
 from fastpersist.saving.extension import Beside, Extension, Writer, Written, parts_of, run_beside
 from fastpersist.saving.job import SaveJob
-from fastpersist.saving.messages import Committed, Proposal, RankReport, SavePlan
+from fastpersist.saving.messages import Committed, Proposal, RankReport, SavePlan  # noqa: F401
 
 
 class Recorder(Extension):
@@ -57,7 +57,7 @@ class Recorder(Extension):
 
     def write(self, job: SaveJob, plan: SavePlan, writer: Writer) -> Written:
         self._note("write")
-        path = os.path.join(writer.roots[0], plan.directory, f"{plan.save_id}-extra-{writer.rank}.bin")
+        path = os.path.join(writer.roots[0], plan.directory, f"{plan.save_id}-{self.name}-{writer.rank}.bin")
         return Written((writer.write_replicated(plan, [], 0, path),), part=("wrote", writer.rank))
 
     def check(self, job: SaveJob, plan: SavePlan, written: Sequence[RankReport]) -> None:
@@ -93,7 +93,7 @@ def test_one_rank_runs_every_phase_and_hook_in_order(tmp_path):
     loaded = fp.open([str(tmp_path / "a"), str(tmp_path / "b")]).load(3)
     assert torch.equal(loaded["w"], state()["w"]) and loaded["step"] == 3
     manifest = fp.open([str(tmp_path / "a"), str(tmp_path / "b")]).manifest(3)
-    assert any("-extra-0.bin" in f.name for f in manifest.files)  # an extension's file is in the checkpoint
+    assert any("-recorder-0.bin" in f.name for f in manifest.files)  # an extension's file is in the checkpoint
     assert j.metrics.total_s > 0 and j.metrics.bytes_total > 0
 
 
@@ -140,6 +140,71 @@ def test_a_refusal_before_the_commit_point_leaves_nothing_on_any_rank(tmp_path, 
     assert not os.path.isdir(step_dir) or os.listdir(step_dir) == []
 
 
+class BesideFails(Recorder):
+    def beside_write(self, job: SaveJob, plan: SavePlan, writer: Writer) -> Beside:
+        self._note("beside_write")
+
+        def fail() -> Written:
+            raise CheckpointWriteError("the work beside the writes failed")
+
+        return run_beside(self.name, fail)
+
+
+@pytest.mark.parametrize("hook", ["start", "beside_write"])
+def test_a_refusal_at_the_start_or_beside_the_writes_leaves_nothing(tmp_path, hook):
+    """start decides alike on every rank (a first save's collective checks); work beside the
+    writes fails the write phase on every rank once the rank's own writes have ended."""
+    roots = [str(tmp_path / "r")]
+
+    def rank(r: int, comm: Comm) -> Any:
+        rec = BesideFails() if hook == "beside_write" and r == 1 else Recorder(fail_at="start" if hook == "start"
+                                                                                else None)
+        p = make_protocol(comm, roots, [rec])
+        with pytest.raises(CheckpointWriteError, match="refuses at start|beside the writes failed"):
+            p.run(job(7, state()))
+        return rec.calls
+
+    out = on_ranks(2, rank)
+    assert all(("failed" in calls) == (hook == "beside_write") for calls in out), out
+    assert fp.open(roots).list() == []
+
+
+class FailsAfterTheCommit(Recorder):
+    name = "fails-after"
+
+    def committed(self, job: SaveJob, plan: SavePlan, written: Sequence[RankReport], outcome: Committed) -> None:
+        self._note("committed")
+        if job.step == 2:
+            raise CheckpointWriteError("the named directory could not take it")
+
+    def failed(self, job: SaveJob, plan: SavePlan, outcome: Committed | None) -> None:
+        raise RuntimeError("a failed hook that fails is logged, not raised")
+
+
+def test_a_hook_that_fails_after_the_commit_lets_the_others_and_retention_run(tmp_path):
+    """The checkpoint stays committed; every later hook runs, then retention; the first error is
+    raised then (the save's handle fails)."""
+    root = str(tmp_path / "r")
+    after = Recorder()
+    p = make_protocol(LocalComm(), [root], [FailsAfterTheCommit(), after], keep=1)
+    p.run(job(1, state(), number=1))
+    j = job(2, state(), number=2)
+    with pytest.raises(CheckpointWriteError, match="could not take it"):
+        p.run(j)
+    p.coordinator.janitor.drain()
+    assert after.calls.count("committed") == 2  # the later extension still heard of the commit
+    assert [i.step for i in fp.open(root).list()] == [2]  # committed, and retention ran (keep=1)
+    assert j.metrics.total_s > 0
+
+
+def test_a_failed_hook_that_raises_does_not_stop_the_cleanup(tmp_path):
+    root = str(tmp_path / "r")
+    p = make_protocol(LocalComm(), [root], [FailsAfterTheCommit(fail_at="check")])
+    with pytest.raises(CheckpointWriteError, match="refuses at check"):  # the save's own error
+        p.run(job(1, state()))
+    assert fp.open(root).list() == [] and os.listdir(root) == [".fastpersist.lock"]  # the save's files removed
+
+
 def test_ranks_whose_extensions_differ_are_refused_alike(tmp_path):
     roots = [str(tmp_path / "r")]
 
@@ -166,7 +231,7 @@ def test_ranks_out_of_step_stop_every_later_save(tmp_path):
     assert on_ranks(2, rank) == [True, True]
 
 
-def test_retention_runs_after_the_extensions_and_spares_what_they_hold(tmp_path):
+def test_retention_spares_what_the_extensions_hold(tmp_path):
     class Holds(Extension):
         name = "holds"
 

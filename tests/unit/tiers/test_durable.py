@@ -351,7 +351,7 @@ def test_a_fetch_left_in_a_root_by_a_crash_is_removed_at_the_clean_start(tmp_pat
     ck = fp.Checkpointer(str(root), mode="sync")
     ck.save(1, replicated(1, SMALL))
     ck.close()
-    assert sorted(os.listdir(root)) == [".fastpersist.storage.lock", "latest", "step-00000001"]
+    assert sorted(os.listdir(root)) == [".fastpersist.lock", "latest", "step-00000001"]
 
 
 def test_resume_on_new_machines_follows_the_durable_tier(tmp_path):

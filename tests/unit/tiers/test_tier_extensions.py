@@ -15,7 +15,8 @@ import fastpersist as fp
 from fastpersist.dist import Comm, LocalComm
 from fastpersist.errors import CheckpointWriteError
 from fastpersist.options import Durable
-from fastpersist.storage.faults import NodeLocal
+from fastpersist.saving.extension import Extension
+from fastpersist.storage.faults import Fault, FaultyBackend, NodeLocal
 from fastpersist.tiers.durable.extension import DurableDrain
 from fastpersist.tiers.durable.store import open_store
 from fastpersist.tiers.nodes.extension import NodeCopies
@@ -42,16 +43,34 @@ def test_the_drain_copies_due_commits_and_the_handle_says_so(tmp_path):
     assert torch.equal(durable.load(3)["w"], torch.full((100,), 3.0))
 
 
+class _Watch(Extension):
+    """Notes what the drain holds back when the save fails (it runs after the drain's hooks)."""
+
+    name = "watch"
+
+    def __init__(self, drain: DurableDrain) -> None:
+        self.drain, self.held_at_failure = drain, None
+
+    def failed(self, job, plan, outcome):  # type: ignore[no-untyped-def]
+        self.held_at_failure = self.drain.protected()
+
+
 def test_a_drain_taken_by_a_failed_commit_is_forgotten(tmp_path):
+    """Rank 0 takes the step for the drain before the commit point (retention spares it from
+    then on); the manifest's rename fails (injected): the step is never drained, and no longer
+    held back."""
     ext = drain(tmp_path)
-    p = make_protocol(LocalComm(), [str(tmp_path / "r")], [ext])
+    backend = FaultyBackend([Fault("rename", path_contains="step-00000005")])
+    watch = _Watch(ext)
+    p = make_protocol(LocalComm(), [str(tmp_path / "r")], [ext, watch], backend=backend)
     j = job(5, {"w": torch.ones(10)})
-    ext.start(j)
-    assert ext.decide(j, None) is True  # type: ignore[arg-type]
-    assert ext.protected() == {5}  # local retention spares it from now on
-    ext.failed(j, None, None)
-    assert ext.protected() == set()
+    with pytest.raises(CheckpointWriteError, match="injected rename fault"):
+        p.run(j)
+    j.completion.finish(CheckpointWriteError("failed"))
+    assert watch.held_at_failure == set() and ext.protected() == set()
+    assert j.handle.durable.result(10) is False
     p.close()
+    assert fp.open(str(tmp_path / "durable")).list() == []
 
 
 def _two_nodes(tmp_path: Any, shared: bool) -> list[Any]:
@@ -95,8 +114,6 @@ def test_roots_shared_by_two_nodes_are_refused_on_every_rank(tmp_path):
     assert all(isinstance(m, str) and "a filesystem shared by the nodes" in m for m in out), out
 
 
-@pytest.mark.parametrize("redundancy", [1])
-def test_one_copy_sends_nothing(tmp_path, redundancy):
-    ext = NodeCopies(NodeMap.from_ids(["a", "b"]), 0, [str(tmp_path)], NodeLocal(str(tmp_path), "a"), redundancy,
-                     None)
+def test_one_copy_sends_nothing(tmp_path):
+    ext = NodeCopies(NodeMap.from_ids(["a", "b"]), 0, [str(tmp_path)], NodeLocal(str(tmp_path), "a"), 1, None)
     assert ext.beside_write(job(1, {}), None, None) is None  # type: ignore[arg-type]

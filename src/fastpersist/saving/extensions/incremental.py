@@ -400,6 +400,7 @@ class IncrementalSaves(Extension):
     them again); the commit makes the checkpoint the next save's reference."""
 
     name = "incremental"
+    option = "incremental"
 
     def __init__(self, rank: int, world: int, block: int = BLOCK) -> None:
         self.reuse = Incremental(rank, world, block)
@@ -455,5 +456,5 @@ class IncrementalSaves(Extension):
         else:  # a checkpoint moved out of the roots is no reference
             self.reuse.forget()
 
-    def failed(self, job: SaveJob, plan: SavePlan | None, outcome: object) -> None:
+    def failed(self, job: SaveJob, plan: SavePlan, outcome: object) -> None:
         self.reuse.forget()

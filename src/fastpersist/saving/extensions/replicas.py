@@ -154,6 +154,7 @@ class ReplicaCheck(Extension):
     rank's digests are known, every rank compares them, before the commit."""
 
     name = "replicas"
+    option = "check_replicated"
 
     def beside_write(self, job: SaveJob, plan: SavePlan, writer: Writer) -> Beside:
         hashing = ReplicaDigests(plan.replicated)  # started now, on its own thread

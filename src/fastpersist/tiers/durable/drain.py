@@ -199,7 +199,13 @@ class Drainer:
         with self._lock:
             if self.rank != 0:  # rank 0 counted it when it took it
                 self._active[step] += 1
-            self._thread().submit(self._run, DrainTask(step, save_id, files, writers, future))
+            try:
+                self._thread().submit(self._run, DrainTask(step, save_id, files, writers, future))
+            except BaseException:  # never queued: no longer held back (taken, on rank 0)
+                self._active[step] -= 1
+                if self._active[step] <= 0:
+                    del self._active[step]
+                raise
 
     def _thread(self) -> cf.ThreadPoolExecutor:
         if self._executor is None:  # under self._lock

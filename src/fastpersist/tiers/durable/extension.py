@@ -33,13 +33,14 @@ class DurableDrain(Extension):
     """Drains this rank's files of each due checkpoint to ``store`` (see the module)."""
 
     name = "durable"
+    option = "durable"
 
     def __init__(self, store: Store, roots: Sequence[str], rank: int, option: Durable, abandoned: str,
                  timeout_s: float, nice: int, backend: FileBackend | None = None) -> None:
         self.rank = rank
         self.drainer = Drainer(store, roots, rank, every=option.every, keep=option.keep, abandoned=abandoned,
-                               bandwidth=option.bandwidth, timeout_s=timeout_s, nice=nice, ended=self._ended,
-                               backend=backend)
+                               bandwidth=option.bandwidth, timeout_s=timeout_s, nice=nice,
+                               ended=self._ended if rank == 0 else None, backend=backend)
         self._taken: int | None = None  # rank 0: the step its drain took in this save's commit
         if rank == 0:
             self.drainer.read_ahead()
@@ -62,15 +63,25 @@ class DurableDrain(Extension):
     def committed(self, job: SaveJob, plan: SavePlan, written: Sequence[RankReport], outcome: Committed) -> None:
         if not outcome.parts.get(self.name):
             return  # not due, or the queue is full: the handle says it is not drained
+        writers = [r for r, w in enumerate(written) if w.reports]
         try:
-            writers = [r for r, w in enumerate(written) if w.reports]
-            self.drainer.submit(job.step, plan.save_id, drain_files(written[self.rank].reports), writers,
-                                job.completion.draining())
+            files = drain_files(written[self.rank].reports)
         except Exception as e:  # noqa: BLE001 - committed: the durable tier must not fail the save
-            logger.warning("checkpoint step %d is committed; queueing its drain failed: %s", job.step, e)
-            job.completion.not_drained()
+            if self.rank == 0:
+                self.drainer.forget(job.step)  # taken at the commit, never queued: no longer held back
+            self._not_queued(job, e)
+            return
+        try:  # a drain that cannot be queued is no longer held back either (Drainer.submit)
+            self.drainer.submit(job.step, plan.save_id, files, writers, job.completion.draining())
+        except Exception as e:  # noqa: BLE001 - committed: the durable tier must not fail the save
+            self._not_queued(job, e)
 
-    def failed(self, job: SaveJob, plan: SavePlan | None, outcome: Committed | None) -> None:
+    @staticmethod
+    def _not_queued(job: SaveJob, error: Exception) -> None:
+        logger.warning("checkpoint step %d is committed; queueing its drain failed: %s", job.step, error)
+        job.completion.not_drained()
+
+    def failed(self, job: SaveJob, plan: SavePlan, outcome: Committed | None) -> None:
         if self._taken == job.step:  # rank 0 took it, then the commit failed somewhere: never queued
             self.drainer.forget(job.step)
             self._taken = None

@@ -54,6 +54,7 @@ class NodeCopies(Extension):
     """Node-local roots and copies of unique bytes on other nodes (see the module)."""
 
     name = "nodes"
+    option = "nodes"
 
     def __init__(self, nodes: NodeMap, rank: int, roots: Sequence[str], backend: FileBackend, redundancy: int,
                  send: Callable[[list[Any], list[Any]], None] | None) -> None:
@@ -119,6 +120,7 @@ class NodeCopies(Extension):
         parts: list[NodePart] = parts_of(proposals, self.name)
         agree(self.core.comm, f"preparing checkpoint step {job.step} (cleaning every node's roots)",
               functools.partial(self._adopt, parts))
+        self._inventoried = True  # every rank alike: the collective succeeded everywhere
 
     def _adopt(self, parts: list[NodePart]) -> None:
         everywhere: dict[int, timeline.Commit] = {}
@@ -131,7 +133,6 @@ class NodeCopies(Extension):
             logger.warning("a node's roots could not be listed: no node cleans its roots at this start")
         if self.leader:
             self.core.coordinator.adopt(everywhere, self.rank == 0, known)
-        self._inventoried = True
 
     def plan(self, job: SaveJob, proposals: Sequence[Proposal], plan: SavePlan) -> SavePlan:
         owns = [p.own if p is not None else None for p in parts_of(proposals, self.name)]

@@ -17,7 +17,17 @@ over the contender's, same round), then median [min-max] over rounds.
   commit; nothing is in flight, so ``snapshot_pipeline="auto"`` copies first, then writes;
 * ``pipelined``: the same with ``snapshot_pipeline="on"``: the copy into the snapshot arena
   overlaps the writes (fastpersist.io.fills);
-* ``single``: ``fastpersist.save`` of the same state to one torch-loadable file;
+* ``fio``: fio's O_DIRECT write of the same bytes (libaio, 64 MiB requests, 4 in flight, then
+  fsync; its own timing): the device's limit with requests in flight (``raw`` has one);
+* ``single``: ``fastpersist.save`` of the same state to one torch-loadable file (the default:
+  from the tensors while the staging pool is cold, staged once it is warm);
+  ``single-staged`` and ``single-zc``: the same, always staged / always from the tensors;
+* ``layout``: torch's pickle of the state and the archive's layout alone, what ``fastpersist.save``
+  does before its first byte can be written (its row's seconds are the figure; with ``--cold`` the
+  process's first, as a first save pays it);
+* ``deepspeed``: DeepSpeed's FastPersist writer, ``torch.save`` into ``deepspeed.io.FastFileWriter``
+  set up as DeepSpeed's checkpoint engine sets it up (benchmarks/_bench/deepspeed_writer.py;
+  measured where DeepSpeed is installed: ``FASTPERSIST_SETUP_DEEPSPEED=1 bash scripts/setup.sh``);
 * with ``--cold``: ``sync+reserve``, ``snapshot+reserve`` and ``pipelined+reserve``, the same
   with ``Checkpointer.reserve(state)`` called right after the Checkpointer is made, before the
   settle time (what a job that reserves its memory during its first iterations pays);
@@ -39,6 +49,7 @@ per iteration (median over rounds of each round's mean) and the time blocked per
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -102,17 +113,50 @@ def _one(contender: str, gib: float, directory: str, settle: float, compute: flo
         finally:
             os.close(fd)
         return {"s": time.perf_counter() - t0, "bytes": nbytes}
-    import fastpersist as fp
+    if contender == "fio":
+        from _bench.measure import _fio
 
-    if contender == "single":
+        os.makedirs(target)
+        size = -(-nbytes // (64 << 20)) * (64 << 20)
+        os.sync()
+        time.sleep(settle)
+        sample, _ = _fio(os.path.join(target, "fio.bin"), "write", size)
+        return {"s": sample.seconds * nbytes / size, "bytes": nbytes}
+    if contender == "deepspeed":
+        from _bench import deepspeed_writer
+
+        deepspeed_writer.silence()
+        writer = deepspeed_writer.Writer()  # the engine's start: its I/O buffer is made and zeroed
         os.makedirs(target)
         if not cold:
-            fp.save(state, os.path.join(target, "warm.pt"))  # steady state: staging buffers exist
+            writer.save(state, os.path.join(target, "warm.pt"))
             os.remove(os.path.join(target, "warm.pt"))
         os.sync()
         time.sleep(settle)
         t0 = time.perf_counter()
-        fp.save(state, os.path.join(target, "ck.pt"))
+        writer.save(state, os.path.join(target, "ck.pt"))
+        return {"s": time.perf_counter() - t0, "bytes": nbytes}
+    import fastpersist as fp
+
+    if contender == "layout":  # what fastpersist.save does before its first byte can be written
+        from fastpersist.format import torchzip
+
+        if not cold:
+            torchzip.layout(state, phase_from=1 << 20)
+        t0 = time.perf_counter()
+        torchzip.layout(state, phase_from=1 << 20)
+        return {"s": time.perf_counter() - t0, "bytes": nbytes}
+    if contender.startswith("single"):
+        config = {"single": None, "single-staged": fp.IOConfig(single_file_zero_copy=False),
+                  "single-zc": fp.IOConfig(single_file_zero_copy=True)}[contender]
+        os.makedirs(target)
+        if not cold:
+            fp.save(state, os.path.join(target, "warm.pt"), config=config)  # steady state: staging buffers exist
+            os.remove(os.path.join(target, "warm.pt"))
+        os.sync()
+        time.sleep(settle)
+        t0 = time.perf_counter()
+        fp.save(state, os.path.join(target, "ck.pt"), config=config)
         return {"s": time.perf_counter() - t0, "bytes": nbytes}
     if contender.startswith("loop-"):
         return _loop(fp, state, target, contender[len("loop-"):], compute, iters, settle)
@@ -210,11 +254,18 @@ def main() -> None:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return
-    contenders = (["raw", "sync", "snapshot", "pipelined", "single"]
+    contenders = (["raw", "fio", "sync", "snapshot", "pipelined", "single", "single-staged", "single-zc", "layout", "deepspeed"]
                   + (["sync+reserve", "snapshot+reserve", "pipelined+reserve"] if a.cold else [])
                   + (["snapshot@before", "single@before"] if a.before else []))
     if a.only:
         contenders = ["raw"] + [c for c in contenders if c != "raw" and c in a.only.split(",")]
+    skipped = []
+    if "fio" in contenders and not shutil.which("fio"):
+        contenders.remove("fio")
+        skipped.append("fio (not installed)")
+    if "deepspeed" in contenders and importlib.util.find_spec("deepspeed") is None:
+        contenders.remove("deepspeed")
+        skipped.append("deepspeed (not installed: FASTPERSIST_SETUP_DEEPSPEED=1 bash scripts/setup.sh)")
     results: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
     try:
         for r in range(a.rounds):
@@ -226,14 +277,20 @@ def main() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
     memory = "cold: each process's first save" if a.cold else "warm memory"
-    print(f"\n{a.gib} GiB GPT-like state, {a.rounds} rounds, {memory}, {a.dir}\n")
-    print("| contender | GB/s median [min-max] | of raw (per round) | blocked s |")
-    print("|---|---|---|---|")
+    print(f"\n{a.gib} GiB GPT-like state, {a.rounds} rounds, {memory}, {a.dir}"
+          + (f"; not measured: {', '.join(skipped)}" if skipped else "") + "\n")
+    print("| contender | s | GB/s median [min-max] | of raw (per round) | blocked s |")
+    print("|---|---|---|---|---|")
     for c in contenders:
+        secs = [x["s"] for x in results[c]]
         gbs = [x["bytes"] / x["s"] / GB for x in results[c]]
         ratio = [results["raw"][i]["s"] / x["s"] for i, x in enumerate(results[c])]
         blocked = [x["blocked"] for x in results[c] if "blocked" in x]
-        print(f"| {c} | {_spread(gbs)} | {_spread(ratio)} | {_spread(blocked) if blocked else '-'} |")
+        if c == "layout":  # not a write: only its seconds mean something
+            print(f"| {c} | {_spread(secs, '.3f')} | - | - | - |")
+            continue
+        print(f"| {c} | {_spread(secs, '.3f')} | {_spread(gbs)} | {_spread(ratio)} | "
+              f"{_spread(blocked) if blocked else '-'} |")
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@
 # multi-GB CUDA build), and a constraint file holds it at that version while the extras install.
 # A second run is quick: when .venv holds a stamp matching pyproject.toml and this script, nothing
 # is reinstalled. FASTPERSIST_SETUP_FORCE=1 reinstalls anyway; PYTHON chooses the interpreter
-# that creates the environment (python3 by default).
+# that creates the environment (python3 by default). FASTPERSIST_SETUP_DEEPSPEED=1 also installs
+# DeepSpeed 0.19.8 and ninja (and Debian's libaio-dev, as root), for the write-path benchmark's
+# DeepSpeed contender; its ops build on first use (minutes, then cached).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
 VPY=$VENV/bin/python
 STAMP=$VENV/.fastpersist-setup
-WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+WANT=$( (cat pyproject.toml scripts/setup.sh; echo "deepspeed=${FASTPERSIST_SETUP_DEEPSPEED:-0}") | sha256sum | cut -d' ' -f1)
 
 if [ -x "$VPY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
         && [ "${FASTPERSIST_SETUP_FORCE:-0}" != 1 ]; then
@@ -41,5 +43,12 @@ trap 'rm -f "$CONSTRAINT"' EXIT
 if ! command -v fio >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio) >/dev/null 2>&1 \
         || echo "setup: fio could not be installed; the benchmark will use its raw O_DIRECT probe" >&2
+fi
+if [ "${FASTPERSIST_SETUP_DEEPSPEED:-0}" = 1 ]; then
+    if ! dpkg -s libaio-dev >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null 2>&1 \
+            || echo "setup: libaio-dev could not be installed; DeepSpeed's aio op will not build" >&2
+    fi
+    "${PIP[@]}" -c "$CONSTRAINT" "deepspeed==0.19.8" ninja
 fi
 echo "$WANT" > "$STAMP"

@@ -11,7 +11,7 @@ environment variable that overrides it::
     FASTPERSIST_READ_FILES    files of a checkpoint read at once by a load (each with READERS)
     FASTPERSIST_DIRECT        auto | on | off   (O_DIRECT; auto falls back to buffered I/O)
     FASTPERSIST_VERIFY        1 | 0             (verify checksums on load by default)
-    FASTPERSIST_SINGLE_ZERO_COPY 1 | 0          (fastpersist.save writes large tensors from their memory)
+    FASTPERSIST_SINGLE_ZERO_COPY auto | 1 | 0   (fastpersist.save writes large tensors from their memory)
     FASTPERSIST_DRAIN_NICE    0..19             (the durable tier's drain thread's CPU niceness)
     FASTPERSIST_PIPELINE      auto | on | off   (a snapshot's copy pipelined with its writes)
     FASTPERSIST_SWITCH_US     microseconds      (the interpreter's switch interval during
@@ -70,11 +70,13 @@ class IOConfig:
     # without a copy through the pool, when it is at least this large.
     zero_copy_min_bytes: int = 1 * MiB
     # fastpersist.save: place each storage of zero_copy_min_bytes or more at its memory's 4 KiB
-    # phase, so its middle is written from the tensor without a copy. Off by default: on the
-    # project's machine (virtio disk) writes from a model's tensors measured 6-7% slower than
-    # through the staging pool (docs/benchmarks-history.md, "The write path, second day");
-    # the copy costs ~0.18 CPU s per GB. Where CPU or memory bandwidth is short, turn it on.
-    single_file_zero_copy: bool = False
+    # phase, so its middle is written from the tensor without a copy (True), or copy everything
+    # through the staging pool (False). None (the default): from the tensors while the process's
+    # staging pool is not warm (its first save, or after the kernel took the idle pool's pages
+    # back), through the pool once it is. Measured here (docs/BENCHMARKS.md, "The single file
+    # against the device"): a first save wrote 0.90 of raw from the tensors against 0.85 staged,
+    # where the pool's first touch is paid inside the save; a later one 1.12 against 1.22 staged.
+    single_file_zero_copy: bool | None = None
     # The niceness of the durable tier's drain thread (Linux, per thread): its CPU share against
     # training's threads. 0 drains at training's priority; 19 only when the CPU is otherwise idle.
     drain_nice: int = 10
@@ -135,7 +137,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
     if "FASTPERSIST_PIPELINE" in env:
         out["snapshot_pipeline"] = env["FASTPERSIST_PIPELINE"].strip().lower()
     if "FASTPERSIST_SINGLE_ZERO_COPY" in env:
-        out["single_file_zero_copy"] = env["FASTPERSIST_SINGLE_ZERO_COPY"].strip().lower() not in ("0", "false", "no", "off")
+        word = env["FASTPERSIST_SINGLE_ZERO_COPY"].strip().lower()
+        out["single_file_zero_copy"] = None if word == "auto" else word not in ("0", "false", "no", "off")
     if "FASTPERSIST_VERIFY" in env:
         out["verify"] = env["FASTPERSIST_VERIFY"].strip().lower() not in ("0", "false", "no", "off")
     return out

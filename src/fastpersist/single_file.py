@@ -32,7 +32,7 @@ from fastpersist.errors import (
 )
 from fastpersist.format import integrity, references, skeleton, torchzip
 from fastpersist.storage.backend import FileBackend
-from fastpersist.io.buffers import align_down, align_up, memory_view, shared_pool
+from fastpersist.io.buffers import BufferPool, align_down, align_up, memory_view, shared_pool
 from fastpersist.io.files import DirectFile, file_size, preallocate
 from fastpersist.io.reader import Landed, ReadRequest, allocate, read_into, read_then_rebuild
 from fastpersist.io.writer import Piece, write_pieces
@@ -64,7 +64,12 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
     path = os.fspath(path)
     start = time.perf_counter()
     directory = check_directory(path, files)
-    layout = torchzip.layout(obj, phase_from=cfg.zero_copy_min_bytes, phased=cfg.single_file_zero_copy)
+    pool = shared_pool(cfg.chunk_bytes, cfg.num_buffers)
+    from_tensors = cfg.single_file_zero_copy
+    if from_tensors is None:  # the pool's first touch would cost more than the copy saves
+        from_tensors = not pool.warm
+    layout = torchzip.layout(obj, phase_from=cfg.zero_copy_min_bytes, phased=from_tensors)
+    laid_out = time.perf_counter() - start  # torch's pickle of obj: before any byte can be written
     temp = temp_path_for(path)
     try:
         file = files.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cfg.direct, 0)
@@ -73,7 +78,6 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
     try:
         try:
             preallocate(file.fd, layout.file_size)
-            pool = shared_pool(cfg.chunk_bytes, cfg.num_buffers)
             digests: dict[Any, int] = dict(write_pieces(file, _pieces(layout), cfg, pool))
             file_direct = file.is_direct  # False if the filesystem refused O_DIRECT on the way
             digests.update(layout.small_digests)
@@ -101,8 +105,20 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
                 files.unlink(temp)
         raise
     seconds = time.perf_counter() - start
-    logger.debug("saved %s (%d bytes, %s) in %.3f s", path, layout.file_size,
-                 "O_DIRECT" if file_direct else "buffered", seconds)
+    logger.debug("saved %s (%d bytes, %s, %s; laid out in %.3f s) in %.3f s", path, layout.file_size,
+                 "O_DIRECT" if file_direct else "buffered", "from the tensors" if from_tensors else "staged",
+                 laid_out, seconds)
+    _keep_warm(pool, from_tensors and cfg.single_file_zero_copy is None)
+
+
+def _keep_warm(pool: BufferPool, prepare: bool) -> None:
+    """Between saves the pool sits idle, maybe for long: its pages are lent to the kernel,
+    which takes them only if memory runs short. After a save that found the pool cold, the
+    pool is made and faulted in on a thread of its own, so that the next save finds it warm."""
+    if prepare:
+        pool.prepare_in_background()  # lends the pages once prepared
+    else:
+        pool.lend_idle()
 
 
 def _open_for_read(path: str, cfg: IOConfig, backend: FileBackend) -> DirectFile:

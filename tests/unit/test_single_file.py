@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import zipfile
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import torch
 import fastpersist as fp
 from fastpersist.config import IOConfig
 from fastpersist.format import torchzip
-from fastpersist.io import writer
+from fastpersist.io import buffers, writer
 
 from conftest import fds_under
 from helpers import states_equal as _equal
@@ -244,9 +245,12 @@ def test_large_storages_are_written_from_their_memory(tmp_path, phased_io):
     assert _equal(fp.load(path, config=small_io), obj)
 
 
-def test_by_default_large_storages_start_on_pages_and_are_staged(tmp_path, small_io):
-    """Without single_file_zero_copy (the default: staged writes measured faster here), large
-    storages start on page boundaries and every byte goes through the pool."""
+def test_staged_large_storages_start_on_pages_and_are_staged(tmp_path, small_io):
+    """With single_file_zero_copy=False (what the default does once the pool is warm), large
+    storages start on page boundaries and go through the pool, but for one whose memory
+    happens to start on a page too (torch's allocator does that as often as not), whose phase
+    then matches: it is written from its memory."""
+    small_io = IOConfig(**{**small_io.__dict__, "single_file_zero_copy": False})
     obj = _phase_state()
     path = str(tmp_path / "d.pt")
     with _staged_storage_bytes() as staged:
@@ -261,9 +265,56 @@ def test_by_default_large_storages_start_on_pages_and_are_staged(tmp_path, small
                                                          if n.startswith("data/") and r.nbytes}
     for s in layout.storages:
         assert s.offset % (4096 if s.nbytes >= small_io.zero_copy_min_bytes else 64) == 0, s.name
-        assert staged.get(s.name, 0) == s.nbytes, s.name
+        if s.nbytes >= small_io.zero_copy_min_bytes and s.storage.data_ptr() % 4096 == 0:
+            assert staged.get(s.name, 0) < 4096, s.name
+        else:
+            assert staged.get(s.name, 0) == s.nbytes, s.name
     assert _equal(torch.load(path, weights_only=True), obj)
     assert _equal(fp.load(path, config=small_io), obj)
+
+
+def _large(obj: object, cfg: IOConfig) -> list[torchzip.StorageRecord]:
+    """The storages the writer can send from their memory (large, 16-byte aligned)."""
+    layout = torchzip.layout(obj, phase_from=cfg.zero_copy_min_bytes)
+    return [s for s in layout.storages if s.nbytes >= cfg.zero_copy_min_bytes and s.storage.data_ptr() % 16 == 0]
+
+
+def test_by_default_a_cold_pool_is_not_touched_and_a_warm_one_is_used(tmp_path, small_io):
+    """The default (single_file_zero_copy=None): while the process's staging pool is cold (its
+    first save; the kernel took the idle pool's pages back), large storages are written from
+    their memory and the pool is made in the background; once it is warm, they are staged. An
+    idle pool's pages are lent to the kernel, and a taken page makes the pool cold again."""
+    cfg = IOConfig(**{**small_io.__dict__, "chunk_bytes": 76 * 1024, "num_buffers": 3, "single_file_zero_copy": None})
+    pool = buffers.shared_pool(cfg.chunk_bytes, cfg.num_buffers)  # this test's own: no other uses its size
+    assert not pool.warm
+    obj = _phase_state()
+    large = _large(obj, cfg)
+    assert any(s.storage.data_ptr() % 4096 for s in large)  # one the staged layout would copy
+
+    def save(name: str) -> dict[str, int]:
+        with _staged_storage_bytes() as staged:
+            fp.save(obj, str(tmp_path / name), config=cfg)
+        assert _equal(fp.load(str(tmp_path / name), config=cfg), obj)
+        assert _equal(torch.load(str(tmp_path / name), weights_only=True), obj)
+        return staged
+
+    first = save("1.pt")
+    assert all(first.get(s.name, 0) < 2 * 4096 for s in large), first
+    assert pool.wait_prepared(120) and pool.warm
+    second = save("2.pt")
+    assert all(second.get(s.name, 0) == s.nbytes for s in large if s.storage.data_ptr() % 4096), second
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    buf = pool.acquire()
+    try:  # what the kernel does to a lent page when memory runs short: it is gone
+        assert libc.madvise(buf.addr, buf.nbytes, 4) == 0, ctypes.get_errno()  # MADV_DONTNEED
+    finally:
+        pool.release(buf)
+    assert not pool.warm
+    third = save("3.pt")
+    assert all(third.get(s.name, 0) < 2 * 4096 for s in large), third
+    assert pool.wait_prepared(120) and pool.warm
 
 
 def test_a_loaded_storage_keeps_its_phase_so_saving_it_again_is_not_copied(tmp_path, phased_io):

@@ -15,7 +15,10 @@ CUDA runtime call made here goes through :class:`CudaHost`; :func:`use_cuda_host
 (a fake runtime runs this path without a device).
 
 The pool keeps its buffers for the life of the process: first touch of fresh memory is several
-times slower than reuse on virtual machines that hand idle guest memory back to the host.
+times slower than reuse on virtual machines that hand idle guest memory back to the host. A pool
+that may sit idle for long (``fastpersist.save``'s) lends its idle buffers' pages to the kernel
+(:meth:`BufferPool.lend_idle`, ``MADV_FREE``): they stay in place, and cost nothing to use again,
+unless memory runs short, when the kernel takes them; :attr:`BufferPool.warm` tells which.
 """
 
 from __future__ import annotations
@@ -65,12 +68,45 @@ def populate(addr: int, nbytes: int) -> bool:
     populating them from another thread while earlier requests are in flight overlaps that
     work with the I/O. Returns False where the kernel does not support it (nothing is done).
     """
+    return _madvise(addr, nbytes, _MADV_POPULATE_WRITE)
+
+
+_MADV_FREE = 8  # Linux 4.5+
+
+
+def _madvise(addr: int, nbytes: int, advice: int) -> bool:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = align_down(addr)
-    return _libc.madvise(start, addr + nbytes - start, _MADV_POPULATE_WRITE) == 0
+    return _libc.madvise(start, addr + nbytes - start, advice) == 0
+
+
+def lend(addr: int, nbytes: int) -> bool:
+    """Let the kernel take the whole pages of ``[addr, addr + nbytes)`` if it needs memory
+    (``MADV_FREE``); until it does, they stay in place, and writing to them keeps them. The
+    bytes must be of no further use: a taken page reads as zeros. False where the kernel does
+    not support it (nothing is done)."""
+    start = align_up(addr)
+    end = align_down(addr + nbytes)
+    return end <= start or _madvise(start, end - start, _MADV_FREE)
+
+
+def resident(addr: int, nbytes: int) -> bool:
+    """Whether every page of ``[addr, addr + nbytes)`` is in memory (``mincore``): a page never
+    touched, or taken back by the kernel, is not. True where the kernel cannot tell."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    start = align_down(addr)
+    pages = (addr + nbytes - start + ALIGN - 1) // ALIGN
+    if pages <= 0:
+        return True
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * ALIGN), vec) != 0:
+        return True
+    return b"\x00" not in bytes(vec)  # bit 0: resident (the only bit Linux sets)
 
 
 _FAULT_STEP = 64 << 20
@@ -283,7 +319,15 @@ class BufferPool:
         self._pin = pin
         self._free: queue.SimpleQueue[StagingBuffer] = queue.SimpleQueue()
         self._created = 0
+        self._made: list[StagingBuffer] = []  # every buffer made, in use or idle
         self._lock = threading.Lock()
+        self._preparing: threading.Thread | None = None
+
+    def _make(self) -> StagingBuffer:
+        buf = StagingBuffer(self.nbytes, self._pin)
+        with self._lock:
+            self._made.append(buf)
+        return buf
 
     def acquire(self, timeout: float | None = None) -> StagingBuffer:
         try:
@@ -291,9 +335,16 @@ class BufferPool:
         except queue.Empty:
             pass
         with self._lock:
-            if self._created < self.count:
+            make = self._created < self.count
+            if make:
                 self._created += 1
-                return StagingBuffer(self.nbytes, self._pin)
+        if make:
+            try:
+                return self._make()
+            except BaseException:
+                with self._lock:
+                    self._created -= 1
+                raise
         return self._free.get(timeout=timeout)
 
     def release(self, buf: StagingBuffer) -> None:
@@ -301,7 +352,14 @@ class BufferPool:
 
     def prepare(self) -> None:
         """Allocate every buffer not made yet, its pages faulted in, ahead of the first write
-        that needs it (a write waiting for a buffer gets each one as soon as it is ready)."""
+        that needs it (a write waiting for a buffer gets each one as soon as it is ready); fault
+        in again the idle buffers whose pages the kernel took back (:meth:`lend_idle`)."""
+        for buf in self._idle():
+            try:
+                if not resident(buf.addr, buf.nbytes):
+                    fault_in(buf.addr, buf.nbytes)
+            finally:
+                self._free.put(buf)
         while True:
             with self._lock:
                 if self._created >= self.count:
@@ -314,7 +372,64 @@ class BufferPool:
                 with self._lock:  # the pool keeps its size: a later acquire makes this buffer
                     self._created -= 1
                 raise
+            with self._lock:
+                self._made.append(buf)
             self._free.put(buf)
+
+    def prepare_in_background(self) -> None:
+        """:meth:`prepare`, then :meth:`lend_idle`, on a thread of its own (one at a time), so
+        that the next write finds the pool warm. A failure is logged: the next write makes
+        what is missing itself."""
+        with self._lock:
+            if self._preparing is not None and self._preparing.is_alive():
+                return
+            self._preparing = threading.Thread(target=self._prepare_quietly, name="fastpersist-staging",
+                                               daemon=True)
+            self._preparing.start()
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Wait for :meth:`prepare_in_background`'s thread, if one runs; False on timeout."""
+        with self._lock:
+            thread = self._preparing
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def _prepare_quietly(self) -> None:
+        try:
+            self.prepare()
+            self.lend_idle()
+        except Exception as e:  # noqa: BLE001 - the pool stays usable; the next write makes buffers
+            logger.warning("preparing %d staging buffers of %d bytes failed: %s", self.count, self.nbytes, e)
+
+    def _idle(self) -> list[StagingBuffer]:
+        """Take every idle buffer out of the pool now (the caller puts each back)."""
+        out = []
+        while True:
+            try:
+                out.append(self._free.get_nowait())
+            except queue.Empty:
+                return out
+
+    def lend_idle(self) -> None:
+        """Lend the pages of every idle buffer to the kernel (:func:`lend`): kept, unless memory
+        runs short. Page-locked buffers are never lent."""
+        if self._pin or (self._pin is None and _cuda_host.present()):
+            return
+        for buf in self._idle():
+            try:
+                lend(buf.addr, buf.nbytes)
+            finally:
+                self._free.put(buf)
+
+    @property
+    def warm(self) -> bool:
+        """Whether every buffer is made and all its pages are in memory: a write through the
+        pool then touches no fresh memory."""
+        with self._lock:
+            made = list(self._made)
+        return len(made) >= self.count and all(resident(b.addr, b.nbytes) for b in made)
 
     @property
     def created(self) -> int:

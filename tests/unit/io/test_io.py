@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -99,6 +100,35 @@ def test_pool_memory_stays_bounded(tmp_path, small_io):
     _write(str(tmp_path / "f"), [Piece(0, t.numel(), tensor=t)], small_io, pool)
     assert pool.created <= small_io.num_buffers
     assert os.path.getsize(tmp_path / "f") == t.numel()
+
+
+def test_a_pool_is_warm_once_every_buffer_is_in_memory_and_lending_keeps_its_bytes_usable(small_io):
+    """``warm`` holds once every buffer is made and resident (``mincore``); lent pages
+    (``MADV_FREE``) stay in place while memory is plentiful, and a buffer whose pages the kernel
+    dropped (here: ``MADV_DONTNEED``, what reclaim does to a lent page) makes the pool cold
+    until :meth:`prepare` faults it in again."""
+    pool = BufferPool(small_io.chunk_bytes, 3, pin=False)
+    assert not pool.warm
+    buf = pool.acquire()
+    assert not pool.warm  # one of three made
+    pool.release(buf)
+    pool.prepare()
+    assert pool.warm and pool.created == 3
+    pool.lend_idle()
+    assert pool.warm  # lent, not taken: nothing short of memory takes them
+    bufs = [pool.acquire() for _ in range(3)]
+    for i, b in enumerate(bufs):  # lent pages are written and read like any others
+        ctypes.memset(b.addr, i + 1, b.nbytes)
+        assert bytes(b.view[:8]) == bytes([i + 1]) * 8 and bytes(b.view[-8:]) == bytes([i + 1]) * 8
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.madvise(bufs[1].addr, bufs[1].nbytes, 4) == 0, ctypes.get_errno()  # MADV_DONTNEED
+    for b in bufs:
+        pool.release(b)
+    assert not pool.warm
+    pool.prepare_in_background()
+    assert pool.wait_prepared(60)
+    assert pool.warm and pool.created == 3
 
 
 def test_refused_direct_request_falls_back(tmp_path, small_io, caplog):

@@ -14,5 +14,7 @@ reverse: fastpersist imports nothing from benchmarks/):
 - ``savers``: the baselines a save is compared with (``torch.save`` + fsync, DCP), and the ways
   a training loop checkpoints every iteration (none, ``torch.save``, DCP ``async_save``, fastpersist);
 - ``crash_child``: that model's training as a program, which can stall at a chosen checkpoint write;
-- ``crash``: the crash harness: run ``crash_child``, SIGKILL it mid-write, resume, compare losses.
+- ``crash``: the crash harness: run ``crash_child``, SIGKILL it mid-write, resume, compare losses;
+- ``deepspeed_writer``: DeepSpeed's FastPersist writer set up as its checkpoint engine does, a
+  contender of the write-path benchmark (where DeepSpeed is installed).
 """

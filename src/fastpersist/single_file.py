@@ -59,9 +59,12 @@ def save(obj: object, path: PathLike, *, config: IOConfig | None = None, backend
     to fsync the directory after the rename says so. ``backend`` is the file
     seam (default: real files; see :mod:`fastpersist.storage.faults`).
     """
-    cfg = config or get_config()
-    files = backend or FileBackend()  # every file operation below goes through it
-    path = os.fspath(path)
+    with skeleton.collector_paused():  # a full pass of the collector would wait in front of the disk
+        _save(obj, os.fspath(path), config or get_config(), backend or FileBackend())
+
+
+def _save(obj: object, path: str, cfg: IOConfig, files: FileBackend) -> None:
+    """:func:`save`; every file operation goes through ``files``."""
     start = time.perf_counter()
     directory = check_directory(path, files)
     pool = shared_pool(cfg.chunk_bytes, cfg.num_buffers)

@@ -9,7 +9,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "benchmarks", "_bench")
 # the order of benchmarks/_bench/__init__.py's list: a module imports only those before it
-ORDER = ["stats", "plot", "measure", "state", "models", "savers", "crash_child", "crash"]
+ORDER = ["stats", "plot", "measure", "state", "models", "savers", "crash_child", "crash", "deepspeed_writer"]
 
 
 def _imports(path: str) -> set[str]:

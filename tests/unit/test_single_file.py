@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import zipfile
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import fastpersist as fp
 from fastpersist.config import IOConfig
 from fastpersist.format import torchzip
 from fastpersist.io import buffers, writer
+from fastpersist.storage.backend import FileBackend
 
 from conftest import fds_under
 from helpers import states_equal as _equal
@@ -501,3 +503,47 @@ def test_save_replaces_atomically(tmp_path, small_io):
     assert os.stat(path).st_ino != ino, "a new file must be renamed over the old one"
     assert torch.equal(fp.load(path)["v"], torch.ones(10))
     assert os.listdir(tmp_path) == ["x.pt"]
+
+
+def test_the_collector_is_paused_during_a_save_and_running_after_it(tmp_path, small_io):
+    """A full pass of the cyclic collector would wait in front of the disk: none runs while a
+    save pickles and writes (a pass due then runs after it), and the collector is running again
+    after the save, also after one that failed; a caller's disabled collector stays disabled."""
+    inside = [False]  # from the save's first file operation (before its pickle) to its last
+    passes: list[int] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start" and inside[0]:
+            passes.append(info["generation"])
+
+    class Watching(FileBackend):
+        def is_dir(self, path):
+            inside[0] = True
+            return super().is_dir(path)
+
+        def fsync_dir(self, path):
+            super().fsync_dir(path)
+            inside[0] = False
+
+    obj = {"w": [torch.randn(1000) for _ in range(50)], "cycle": []}
+    obj["cycle"].append(obj["cycle"])  # a reference cycle pickled too
+    threshold = gc.get_threshold()
+    gc.callbacks.append(note)
+    gc.set_threshold(1)  # a collection at nearly every allocation, if the collector may run
+    try:
+        fp.save(obj, str(tmp_path / "x.pt"), config=small_io, backend=Watching())
+        assert not inside[0]
+        assert not passes, f"the collector ran during the save (generations {passes[:5]})"
+        assert gc.isenabled()
+        with pytest.raises(fp.UnsaveableObjectError):
+            fp.save({"f": lambda: None}, str(tmp_path / "y.pt"), config=small_io)
+        assert gc.isenabled()
+        gc.disable()
+        fp.save(obj, str(tmp_path / "z.pt"), config=small_io)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(note)
+    out = fp.load(str(tmp_path / "x.pt"), config=small_io, weights_only=False)
+    assert out["cycle"][0] is out["cycle"] and _equal(out["w"], obj["w"])

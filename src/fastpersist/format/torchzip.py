@@ -37,7 +37,7 @@ import xxhash
 
 from fastpersist import torch_internals
 from fastpersist.errors import CorruptCheckpointError, UnsaveableObjectError, UnsupportedFormatError
-from fastpersist.format import jsondoc, zipdir, zipwrite
+from fastpersist.format import jsondoc, skeleton, zipdir, zipwrite
 
 CHECKSUM_RECORD = ".fastpersist"
 FORMAT_NAME = "fastpersist-single-file"
@@ -173,7 +173,8 @@ def layout(obj: object, pickle_protocol: int = 2, *, phase_from: int = 1 << 20, 
     """
     rec = _Recorder()
     try:
-        torch_internals.save_records(obj, rec, pickle, pickle_protocol)
+        with skeleton.collector_paused():
+            torch_internals.save_records(obj, rec, pickle, pickle_protocol)
     except UnsaveableObjectError:
         raise
     except Exception as e:

@@ -74,13 +74,20 @@ def populate(addr: int, nbytes: int) -> bool:
 _MADV_FREE = 8  # Linux 4.5+
 
 
-def _madvise(addr: int, nbytes: int, advice: int) -> bool:
+def _lib() -> ctypes.CDLL:
+    """The C library, its calls typed once: an untyped call would pass an address as a C int."""
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        _libc = lib
+    return _libc
+
+
+def _madvise(addr: int, nbytes: int, advice: int) -> bool:
     start = align_down(addr)
-    return _libc.madvise(start, addr + nbytes - start, advice) == 0
+    return _lib().madvise(start, addr + nbytes - start, advice) == 0
 
 
 def lend(addr: int, nbytes: int) -> bool:
@@ -96,15 +103,12 @@ def lend(addr: int, nbytes: int) -> bool:
 def resident(addr: int, nbytes: int) -> bool:
     """Whether every page of ``[addr, addr + nbytes)`` is in memory (``mincore``): a page never
     touched, or taken back by the kernel, is not. True where the kernel cannot tell."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
     start = align_down(addr)
     pages = (addr + nbytes - start + ALIGN - 1) // ALIGN
     if pages <= 0:
         return True
     vec = (ctypes.c_ubyte * pages)()
-    if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * ALIGN), vec) != 0:
+    if _lib().mincore(start, pages * ALIGN, vec) != 0:
         return True
     return b"\x00" not in bytes(vec)  # bit 0: resident (the only bit Linux sets)
 

@@ -7,6 +7,8 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -129,6 +131,24 @@ def test_a_pool_is_warm_once_every_buffer_is_in_memory_and_lending_keeps_its_byt
     pool.prepare_in_background()
     assert pool.wait_prepared(60)
     assert pool.warm and pool.created == 3
+
+
+def test_memory_calls_pass_whole_addresses_whichever_comes_first():
+    """The C library is typed once for every call: asking residency first (a pool's ``warm``)
+    once left ``madvise`` untyped, so an address past 2^31 went as a C int and populating or
+    lending silently failed, or hit the wrong memory. In a fresh process, residency first."""
+    code = (
+        "from fastpersist.io import buffers\n"
+        "b = buffers.aligned_empty(1 << 20, pin=False)\n"
+        "a = b.data_ptr()\n"
+        "assert a >= 1 << 31, a\n"
+        "assert not buffers.resident(a, 1 << 20)\n"
+        "assert buffers.populate(a, 1 << 20)\n"
+        "assert buffers.resident(a, 1 << 20)\n"
+        "assert buffers.lend(a, 1 << 20)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_refused_direct_request_falls_back(tmp_path, small_io, caplog):

@@ -28,6 +28,7 @@ import logging
 import mmap
 import queue
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -326,6 +327,7 @@ class BufferPool:
         self._made: list[StagingBuffer] = []  # every buffer made, in use or idle
         self._lock = threading.Lock()
         self._preparing: threading.Thread | None = None
+        self._stop = threading.Event()  # set at interpreter exit: a preparation ends after its buffer
 
     def _make(self) -> StagingBuffer:
         buf = StagingBuffer(self.nbytes, self._pin)
@@ -357,14 +359,15 @@ class BufferPool:
     def prepare(self) -> None:
         """Allocate every buffer not made yet, its pages faulted in, ahead of the first write
         that needs it (a write waiting for a buffer gets each one as soon as it is ready); fault
-        in again the idle buffers whose pages the kernel took back (:meth:`lend_idle`)."""
+        in again the idle buffers whose pages the kernel took back (:meth:`lend_idle`). Stops
+        after the buffer in hand once the interpreter exits."""
         for buf in self._idle():
             try:
-                if not resident(buf.addr, buf.nbytes):
+                if not self._stop.is_set() and not resident(buf.addr, buf.nbytes):
                     fault_in(buf.addr, buf.nbytes)
             finally:
                 self._free.put(buf)
-        while True:
+        while not self._stop.is_set():
             with self._lock:
                 if self._created >= self.count:
                     return
@@ -383,10 +386,13 @@ class BufferPool:
     def prepare_in_background(self) -> None:
         """:meth:`prepare`, then :meth:`lend_idle`, on a thread of its own (one at a time), so
         that the next write finds the pool warm. A failure is logged: the next write makes
-        what is missing itself."""
+        what is missing itself. The interpreter's exit waits for the buffer in hand and no more
+        (:func:`_stop_preparing`)."""
         with self._lock:
-            if self._preparing is not None and self._preparing.is_alive():
+            if self._stop.is_set() or (self._preparing is not None and self._preparing.is_alive()):
                 return
+            if not _watch_at_exit(self):
+                return  # the interpreter is exiting: nobody will write through the pool again
             self._preparing = threading.Thread(target=self._prepare_quietly, name="fastpersist-staging",
                                                daemon=True)
             self._preparing.start()
@@ -403,7 +409,8 @@ class BufferPool:
     def _prepare_quietly(self) -> None:
         try:
             self.prepare()
-            self.lend_idle()
+            if not self._stop.is_set():
+                self.lend_idle()
         except Exception as e:  # noqa: BLE001 - the pool stays usable; the next write makes buffers
             logger.warning("preparing %d staging buffers of %d bytes failed: %s", self.count, self.nbytes, e)
 
@@ -439,6 +446,48 @@ class BufferPool:
     def created(self) -> int:
         """How many buffers the pool has allocated so far (at most ``count``)."""
         return self._created
+
+
+_preparing_pools: weakref.WeakSet[BufferPool] = weakref.WeakSet()
+_at_exit_registered = False
+_at_exit_lock = threading.Lock()
+
+
+def _watch_at_exit(pool: BufferPool) -> bool:
+    """Have the interpreter's exit stop and wait for ``pool``'s preparation (False once the
+    interpreter is exiting: no preparation starts then).
+
+    A daemon thread still inside torch when the interpreter finalizes is ended by the runtime
+    in the middle of a C++ frame, which aborts the process (``terminate called without an
+    active exception``, exit status 134): a script that called ``fastpersist.save`` once and
+    returned would fail after its checkpoint was written. threading's exit hooks run before
+    finalization, while every thread can still finish."""
+    global _at_exit_registered
+    with _at_exit_lock:
+        if not _at_exit_registered:
+            register = getattr(threading, "_register_atexit", None)
+            try:
+                if register is None:  # pragma: no cover - every supported Python has it
+                    import atexit
+
+                    atexit.register(_stop_preparing)
+                else:
+                    register(_stop_preparing)
+            except RuntimeError:  # "can't register atexit after shutdown"
+                return False
+            _at_exit_registered = True
+        _preparing_pools.add(pool)
+    return True
+
+
+def _stop_preparing() -> None:
+    """At interpreter exit: every pool's preparation ends after the buffer in hand; wait for it."""
+    with _at_exit_lock:
+        pools = list(_preparing_pools)
+    for pool in pools:
+        pool._stop.set()
+    for pool in pools:
+        pool.wait_prepared()
 
 
 _shared_pools: dict[tuple[int, int, int], BufferPool] = {}

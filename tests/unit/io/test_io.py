@@ -151,6 +151,27 @@ def test_memory_calls_pass_whole_addresses_whichever_comes_first():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("caller", ["pool", "save"])
+def test_a_process_that_exits_while_its_pool_is_prepared_exits_cleanly(tmp_path, caller):
+    """A pool prepared on a thread of its own (``fastpersist.save``'s first save, from the
+    tensors, starts one) while the script returns at once: the daemon thread, ended inside
+    torch at finalization, aborted the process (exit status 134) after its checkpoint was
+    written. The exit now stops the preparation after the buffer in hand and waits for it."""
+    path = str(tmp_path / "ck.pt")
+    code = {
+        "pool": "from fastpersist.io.buffers import BufferPool\n"
+                "BufferPool(1 << 20, 64).prepare_in_background()\n",
+        "save": "import torch, fastpersist as fp\n"
+                "state = {f'w{i}': torch.full((1 << 18,), float(i)) for i in range(8)}\n"
+                f"fp.save(state, {path!r}, config=fp.IOConfig(chunk_bytes=4 << 20, num_buffers=64))\n",
+    }[caller]
+    for _ in range(3):  # it aborted every time; three runs leave no luck in it
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    if caller == "save":
+        assert torch.equal(torch.load(path, weights_only=True)["w7"], torch.full((1 << 18,), 7.0))
+
+
 def test_refused_direct_request_falls_back(tmp_path, small_io, caplog):
     """A request the filesystem rejects with EINVAL (here: a real unaligned O_DIRECT write) is
     retried through the buffered descriptor, and O_DIRECT is dropped for the file."""

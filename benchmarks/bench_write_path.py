@@ -17,6 +17,8 @@ over the contender's, same round), then median [min-max] over rounds.
   commit; nothing is in flight, so ``snapshot_pipeline="auto"`` copies first, then writes;
 * ``pipelined``: the same with ``snapshot_pipeline="on"``: the copy into the snapshot arena
   overlaps the writes (fastpersist.io.fills);
+* ``process``: ``Checkpointer(engine="process")``: the same save, written by the save process
+  from the shared arena (save() copies the state into it, the save process does the rest);
 * ``fio``: fio's O_DIRECT write of the same bytes (libaio, 64 MiB requests, 4 in flight, then
   fsync; its own timing): the device's limit with requests in flight (``raw`` has one);
 * ``single``: ``fastpersist.save`` of the same state to one torch-loadable file (the default:
@@ -165,7 +167,8 @@ def _one(contender: str, gib: float, directory: str, settle: float, compute: flo
     contender = contender.removesuffix("+reserve")
     mode = "sync" if contender == "sync" else "snapshot"
     config = fp.IOConfig(snapshot_pipeline="on") if contender == "pipelined" else None  # else the defaults
-    ck = fp.Checkpointer(target, mode=mode, keep=2, config=config)
+    engine = "process" if contender == "process" else "thread"
+    ck = fp.Checkpointer(target, mode=mode, keep=2, config=config, engine=engine)
     if not cold:
         ck.save(0, state).result()  # steady state: the arena and staging buffers exist, as in training
     elif reserve:
@@ -255,7 +258,8 @@ def main() -> None:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return
-    contenders = (["raw", "fio", "sync", "snapshot", "pipelined", "single", "single-staged", "single-zc", "layout", "deepspeed"]
+    contenders = (["raw", "fio", "sync", "snapshot", "pipelined", "process", "single", "single-staged", "single-zc", "layout",
+                   "deepspeed"]
                   + (["sync+reserve", "snapshot+reserve", "pipelined+reserve"] if a.cold else [])
                   + (["snapshot@before", "single@before"] if a.before else []))
     if a.only:

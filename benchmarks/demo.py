@@ -59,13 +59,14 @@ def spec(kind: str, size: ModelSpec) -> ModelSpec:
 # of them alike; the first round is a warm-up and is dropped. The overhead is paired by round: the
 # contender's median iteration in a round over "no checkpoint"'s median in the same round.
 
-CONTENDERS = ("none", "torch.save", "sync", "snapshot", "overlap")
+CONTENDERS = ("none", "torch.save", "sync", "snapshot", "overlap", "overlap+process")
 DEFAULT_PLOT = "fastpersist-demo.png"
 SETTLE = 1  # unmeasured iterations at the start of every block (the previous contender's caches)
 
 
 def label(mode: str) -> str:
-    return {"none": "no checkpoint", "torch.save": "torch.save + fsync"}.get(mode, f"fastpersist {mode}")
+    return {"none": "no checkpoint", "torch.save": "torch.save + fsync",
+            "overlap+process": "fastpersist overlap, save process"}.get(mode, f"fastpersist {mode}")
 
 
 @dataclass

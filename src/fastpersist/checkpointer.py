@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import sys
 import logging
 import os
 import threading
@@ -38,7 +39,7 @@ from fastpersist.dist import Comm, LocalComm, default_comm, host_name
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.loading.view import CheckpointInfo, CheckpointView, Roots, list_checkpoints, load_checkpoint, root_list
 from fastpersist.options import Durable, Nodes, Options, Retention, Shorthands, from_shorthands
-from fastpersist.saving.arguments import check_arguments, check_metadata, check_step, positive_int
+from fastpersist.saving.arguments import check_arguments, check_engine, check_metadata, check_step, positive_int
 from fastpersist.saving.coordinator import Coordinator
 from fastpersist.saving.extension import Extension
 from fastpersist.saving.extensions.incremental import IncrementalSaves, block_size
@@ -48,6 +49,7 @@ from fastpersist.saving.handle import SaveHandle
 from fastpersist.saving.job import SaveJob
 from fastpersist.saving.protocol import SaveProtocol, close_all
 from fastpersist.saving.rank_writer import RankWriter
+from fastpersist.saving.remote import SaveProcess, process_spec
 from fastpersist.saving.saver import Saver
 from fastpersist.storage.backend import FileBackend
 from fastpersist.storage.roots import check_roots
@@ -62,6 +64,8 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack of **kwargs is Python 3.12's
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_SNAPSHOT_BYTES = 2 << 30
 
 __all__ = ["CheckpointInfo", "Checkpointer", "list_checkpoints", "load_checkpoint"]
 
@@ -96,8 +100,10 @@ class Checkpointer(ReadMethods):
         max_in_flight: checkpoints pending at once; beyond that save() waits or skips.
         when_busy: ``"wait"`` (default) or ``"skip"`` (the checkpoint is not taken; every
             rank decides alike).
-        snapshot_bytes: the arena's budget; a state whose copies would not fit is written
-            from live memory, save() waiting for its commit, instead of growing memory.
+        snapshot_bytes: the arena's budget (default 2 GiB; with ``engine="process"``, none); a
+            state whose copies would not fit is written from live memory, save() waiting for its
+            commit, instead of growing memory (the process engine refuses it: its save process
+            reads only shared memory).
         writers: who writes replicated state: ``"all"`` ranks (default), ``"node"``, ``N``
             per node, or a list of ranks.
         check_replicated: before committing, check that ``state`` holds the same bytes on
@@ -109,6 +115,13 @@ class Checkpointer(ReadMethods):
         timeout_s: how long a rank waits for the others in a collective.
         clean_start: remove incomplete checkpoints left by a crashed run at the first save.
         history: how many recent saves' metrics :attr:`history` keeps.
+        engine: ``"thread"`` (default: the save runs in threads of the training process) or
+            ``"process"``: a save process per rank, started here, does everything but the
+            capture, so its Python never holds training's GIL (docs/DESIGN.md, "The save
+            process"); ``save()`` copies what is not in shared memory into a shared arena and
+            hands over a small message (overlap mode: the protected optimizers' tensors are
+            moved into shared memory once). It takes no ``backend``, and a state must fit
+            ``snapshot_bytes``.
         **shorthands: the options' fields by their keyword names: ``keep``, ``keep_every``,
             ``abandoned`` (retention), ``durable_every``, ``durable_keep``,
             ``durable_bandwidth`` (durable), ``node``, ``redundancy`` (nodes).
@@ -137,7 +150,7 @@ class Checkpointer(ReadMethods):
         incremental: bool | int = False,
         max_in_flight: int = 1,
         when_busy: str = "wait",
-        snapshot_bytes: int = 2 << 30,
+        snapshot_bytes: int | None = None,
         writers: str | int | Sequence[int] = "all",
         check_replicated: bool = True,
         comm: Comm | str | None = None,
@@ -146,9 +159,13 @@ class Checkpointer(ReadMethods):
         timeout_s: float = 600.0,
         clean_start: bool = True,
         history: int = 1000,
+        engine: str = "thread",
         **shorthands: Unpack[Shorthands],
     ) -> None:
+        if snapshot_bytes is None:  # the process engine writes only from shared memory: no budget unless asked
+            snapshot_bytes = DEFAULT_SNAPSHOT_BYTES if engine == "thread" else sys.maxsize
         check_arguments(mode, max_in_flight, snapshot_bytes, history, timeout_s)
+        check_engine(engine, mode, backend)
         options = from_shorthands(retention, durable, nodes, dict(shorthands))
         block = block_size(incremental)
         paths = root_list(roots)
@@ -169,12 +186,23 @@ class Checkpointer(ReadMethods):
         self.options = options
         self.check_replicated = bool(check_replicated)
         self._closed = False
+        self.engine = engine
         self._saver = Saver(self._run, self.comm, mode=mode, max_in_flight=max_in_flight, when_busy=when_busy,
                             snapshot_bytes=snapshot_bytes, history=history, config=self._current_config,
-                            roots=len(self.roots))
+                            roots=len(self.roots), shipped=engine == "process")
         self.history = self._saver.history  # metrics of recent saves, and totals
         self._publish = Publish(len(self.roots), self.nodes.count, store is not None)
-        self._protocol = self._save_protocol(clean_start, self._extensions(block, store, timeout_s))
+        self._protocol: SaveProtocol | None = None
+        self._remote: SaveProcess | None = None
+        if engine == "process":  # the save process builds the protocol from the same arguments
+            spec = process_spec(roots=paths, retention=options.retention, durable=options.durable, nodes=options.nodes,
+                                incremental=incremental, writers=writers, check_replicated=check_replicated,
+                                config=config, timeout_s=timeout_s, clean_start=clean_start, history=history)
+            self._remote = SaveProcess(spec, self._saver.stager.arena, self._saver.sharing, self.comm,
+                                       self.nodes.count == 1, timeout_s)
+            self._saver.ship = self._remote.ship
+        else:
+            self._protocol = self._save_protocol(clean_start, self._extensions(block, store, timeout_s))
         self._view = CheckpointView(self.roots, config=config, backend=self.backend)
         durable_reads = durable_view(store, config, self.roots[0], self.backend) if store is not None else None
         self._tiers = Tiers(self._view, durable_reads, self.comm, self.nodes, self._current_config)
@@ -308,22 +336,33 @@ class Checkpointer(ReadMethods):
         t0 = time.perf_counter()
         if self._closed:
             raise CheckpointerClosedError(f"save(step={step!r}) after close(): this Checkpointer takes no more saves")
-        if self._protocol.broken is not None:
-            raise CheckpointWriteError(self._protocol.broken)
+        broken = self._remote.broken if self._remote is not None else self._protocol.broken  # type: ignore[union-attr]
+        if broken is not None:
+            raise CheckpointWriteError(broken)
         check_step(step)
         meta = check_metadata(metadata)
         target = None if directory is None else self._publish.target(directory)
         return self._saver.save(step, state, rank_state, meta, target, t0)
 
     def _run(self, job: SaveJob) -> None:
-        """The save protocol for one job (in the driver's worker)."""
-        self._protocol.run(job)
+        """The save protocol for one job (in the driver's worker), or the job shipped to the save process."""
+        if self._remote is not None:
+            self._remote.run(job)
+        else:
+            self._protocol.run(job)  # type: ignore[union-attr]
+
+    def _settle(self) -> None:
+        """Wait for the deletions retention started."""
+        if self._remote is not None:
+            self._remote.settle()
+        else:
+            self._protocol.coordinator.janitor.drain()  # type: ignore[union-attr]
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every checkpoint in flight (and the deletions retention started); raises
         the first failure not yet raised."""
         self._saver.wait(timeout)
-        self._protocol.coordinator.janitor.drain()
+        self._settle()
         self._saver.driver.raise_failed()
 
     def close(self) -> None:
@@ -333,7 +372,8 @@ class Checkpointer(ReadMethods):
         try:
             self.wait()
         finally:
-            close_all(self._saver.close, self._protocol.close, self._close_comm)
+            close_all(self._saver.close, self._remote.close if self._remote is not None else self._protocol.close,  # type: ignore[union-attr]
+                      self._close_comm)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -344,7 +384,7 @@ class Checkpointer(ReadMethods):
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every checkpoint in the first root (on several nodes: this node's), committed or
         not, by step (after the deletions retention has started)."""
-        self._protocol.coordinator.janitor.drain()
+        self._settle()
         return self._view.list()
 
 

@@ -80,6 +80,9 @@ class IOConfig:
     # The niceness of the durable tier's drain thread (Linux, per thread): its CPU share against
     # training's threads. 0 drains at training's priority; 19 only when the CPU is otherwise idle.
     drain_nice: int = 10
+    # The niceness of the save process (Checkpointer(engine="process"); Linux): its CPU share
+    # against training's threads when they compete for the same cores.
+    save_process_nice: int = 0
     snapshot_pipeline: str = "auto"
     # While a save runs in the background, the interpreter's switch interval is at most this
     # (microseconds; 0, the default, leaves it alone): the training thread then waits at most
@@ -101,8 +104,9 @@ class IOConfig:
                 raise CheckpointError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.switch_interval_us <= 100_000:
             raise CheckpointError(f"switch_interval_us must be in 0..100000, got {self.switch_interval_us}")
-        if not 0 <= self.drain_nice <= 19:
-            raise CheckpointError(f"drain_nice must be in 0..19, got {self.drain_nice}")
+        for name in ("drain_nice", "save_process_nice"):
+            if not 0 <= getattr(self, name) <= 19:
+                raise CheckpointError(f"{name} must be in 0..19, got {getattr(self, name)}")
         if self.direct not in _DIRECT_MODES:
             raise CheckpointError(f"direct must be one of {_DIRECT_MODES}, got {self.direct!r}")
         if self.snapshot_pipeline not in _PIPELINE_MODES:
@@ -123,6 +127,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, object]:
         "FASTPERSIST_READ_CHUNK_MB": ("read_chunk_bytes", MiB),
         "FASTPERSIST_READ_FILES": ("read_files_at_once", 1),
         "FASTPERSIST_DRAIN_NICE": ("drain_nice", 1),
+        "FASTPERSIST_SAVE_NICE": ("save_process_nice", 1),
         "FASTPERSIST_SWITCH_US": ("switch_interval_us", 1),
     }
     out: dict[str, object] = {}

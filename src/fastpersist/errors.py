@@ -6,6 +6,8 @@ catches all of them; each message names the file (and the record or key) and the
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class of every error raised by fastpersist."""
@@ -33,6 +35,9 @@ class DistributedCheckpointError(CheckpointWriteError):
         super().__init__(message)
         self.failures = failures
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles whole (it crosses from the save process)
+        return type(self), (self.args[0], self.failures), self.__dict__
+
     @property
     def ranks(self) -> list[int]:
         return sorted(self.failures)
@@ -50,6 +55,9 @@ class ReplicaMismatchError(CheckpointWriteError):
         super().__init__(message)
         self.key = key
         self.ranks = ranks
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles whole (it crosses from the save process)
+        return type(self), (self.args[0], self.key, self.ranks), self.__dict__
 
 
 class CheckpointerClosedError(CheckpointError):

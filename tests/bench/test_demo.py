@@ -81,11 +81,11 @@ def test_measure_pairs_rounds_and_counts_the_saves(tmp_path):
         assert all(t > 0 for t in s.times)
         # every measured save but each block's last (its wait for the next step is not in the block)
         assert len(s.blocked) == (0 if mode == "none" else 3 * 2)
-        assert len(s.write) == (3 * 2 if mode in ("sync", "snapshot", "overlap") else 0)
+        assert len(s.write) == (3 * 2 if mode in ("sync", "snapshot", "overlap", "overlap+process") else 0)
     assert r.samples["snapshot"].arena > 0 and min(r.samples["snapshot"].copied) > 0
     assert r.params > 0 and r.state_bytes > 0
     # every contender's checkpoints went to its own place; keep=2 held
-    for mode in ("sync", "snapshot", "overlap"):
+    for mode in ("sync", "snapshot", "overlap", "overlap+process"):
         assert len([p for p in (tmp_path / f"gpt-{mode}").iterdir() if p.name.startswith("step-")]) == 2
 
 

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("loading",),
     ("saving",),
     ("tiers",),
-    ("checkpointer", "dcp", "single_file", "faults", "__main__"),
+    ("checkpointer", "dcp", "single_file", "faults", "__main__", "save_process"),
     ("integrations", "cli"),
 ]
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import queue
 import threading
 import weakref
@@ -254,6 +255,52 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
         fallback, how = tensor, f"staging memory stays pageable and device-to-host copies are slower ({e})"
     _warn_once(f"cudaHostRegister of {size} bytes failed (cudaError {err}): {how}")
     return fallback[:nbytes]
+
+
+class SharedMemory:
+    """Host memory another process maps too: a ``memfd`` (not a file of ``/dev/shm``, so not
+    bounded by its size: a container's is often 64 MiB), mapped shared, page-aligned, and
+    page-locked when CUDA is present (registered like :func:`pinned_empty`'s memory).
+
+    ``fd`` stays open while the object lives: it is what another process maps
+    (:func:`map_shared`, after receiving it over a Unix socket). :attr:`tensor` is a uint8
+    view of exactly ``nbytes``.
+    """
+
+    def __init__(self, nbytes: int, pin: bool | None = None, name: str = "fastpersist") -> None:
+        size = align_up(max(nbytes, 1))
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            mem = _RegisteredMemory(self.fd, size)  # MAP_SHARED
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+        self.size = size
+        tensor = torch.frombuffer(mem, dtype=torch.uint8)  # keeps ``mem`` alive while any view lives
+        if pin is None:
+            pin = _cuda_host.present()
+        if pin:
+            host = _cuda_host
+            err = _register(host, tensor.data_ptr(), size)
+            if err == 0:
+                mem.registered, mem.host = tensor.data_ptr(), host
+            else:
+                _warn_once(f"cudaHostRegister of {size} bytes of shared memory failed (cudaError {err}): "
+                           "device-to-host copies into it are slower")
+        self.tensor = tensor[:nbytes]
+
+    def close(self) -> None:
+        """Close the descriptor now (the mapping lives on while a view does)."""
+        self._finalizer()
+
+
+def map_shared(fd: int, nbytes: int) -> torch.Tensor:
+    """A uint8 view of ``nbytes`` of the shared memory behind ``fd`` (another process's
+    :class:`SharedMemory`); the mapping lives while a view does. ``fd`` may be closed after."""
+    mem = mmap.mmap(fd, align_up(max(nbytes, 1)))
+    return torch.frombuffer(mem, dtype=torch.uint8)[:nbytes]
 
 
 def _register(host: CudaHost, addr: int, size: int) -> int:

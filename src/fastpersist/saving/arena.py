@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from fastpersist.errors import CheckpointError
-from fastpersist.io.buffers import align_up, aligned_empty, fault_in
+from fastpersist.io.buffers import SharedMemory, align_up, aligned_empty, fault_in
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +29,14 @@ class Arena:
     the memory ready ahead of the first save that needs it.
     """
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, shared: bool = False) -> None:
         if budget < 0:
             raise CheckpointError(f"the snapshot budget cannot be negative, got {budget}")
         self.budget = budget
+        # shared: the memory is a SharedMemory another process maps (the save process);
+        # ``memory`` is the current one, replaced when the arena grows
+        self.shared = shared
+        self.memory: SharedMemory | None = None
         self._buffer: torch.Tensor | None = None
         self._cond = threading.Condition(threading.Lock())
         self._busy = False
@@ -142,7 +146,14 @@ class Arena:
         if self._buffer is not None and self._buffer.numel() >= nbytes:
             return self._buffer
         self._buffer = None  # free the smaller one first
-        buffer = aligned_empty(align_up(nbytes))
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
+        if self.shared:
+            self.memory = SharedMemory(align_up(nbytes), name="fastpersist-arena")
+            buffer = self.memory.tensor
+        else:
+            buffer = aligned_empty(align_up(nbytes))
         if touch:
             fault_in(buffer.data_ptr(), buffer.numel())
         self._buffer = buffer

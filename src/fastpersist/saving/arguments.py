@@ -19,6 +19,20 @@ def check_arguments(mode: str, max_in_flight: int, snapshot_bytes: int, history:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
 
 
+ENGINES = ("thread", "process")
+
+
+def check_engine(engine: str, mode: str, backend: object) -> None:
+    """The process engine's limits, refused by name (docs/DESIGN.md, "The save process")."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine != "process":
+        return
+    if backend is not None:
+        raise ValueError("engine='process' writes through the save process's own files: it does not take a backend "
+                         "(fault injection runs with engine='thread')")
+
+
 def positive_int(name: str, value: object, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}")

@@ -34,6 +34,10 @@ class OverlapGuard:
         self._protected.append(optimizer)
         self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
+    @property
+    def protected(self) -> list[torch.optim.Optimizer]:
+        return list(self._protected)
+
     def storages(self) -> set[int]:
         """The storages of the protected optimizers' parameters and state (their local shards)."""
         tensors = []

@@ -40,6 +40,7 @@ class SaveJob:
     directory: str | None = None  # save(directory=...): published there after the commit
     fill: Fill | None = None  # the snapshot arena while save() is still copying into it
     capture: Capture | None = None  # the copies save() makes once the job is queued (stage.py, capture.py)
+    shipped: int = 0  # the process engine: the number its save process knows it by (saving/remote.py)
 
     @property
     def handle(self) -> SaveHandle:
@@ -51,18 +52,19 @@ class SaveJob:
 
 
 def new_job(step: int, state: Any, rank_state: Any, meta: Mapping[str, Any] | None, completion: Completion,
-            t0: float) -> SaveJob:
-    """A save's job: the state made saveable, its DTensors taken out (their shards)."""
-    plain, own, shards = saveable_state(state, rank_state)
+            t0: float, split: bool = True) -> SaveJob:
+    """A save's job: the state made saveable, its DTensors taken out (their shards; without
+    ``split``, left for the process engine's one pass to find, :mod:`fastpersist.saving.ship`)."""
+    plain, own, shards = saveable_state(state, rank_state, split)
     return SaveJob(step, plain, own, meta, completion, t0, shards)
 
 
-def saveable_state(state: Any, rank_state: Any) -> tuple[Any, Any, list[dtensor.LocalShard]]:
+def saveable_state(state: Any, rank_state: Any, split: bool = True) -> tuple[Any, Any, list[dtensor.LocalShard]]:
     """(state, rank_state) made saveable, and the state's DTensors' local shards."""
     saveable = to_saveable(state)
     own = to_saveable(rank_state) if rank_state is not None else None
     shards: list[dtensor.LocalShard] = []
-    if dtensor.dtensor_type() is not None:  # no DTensor exists before its module is loaded
+    if split and dtensor.dtensor_type() is not None:  # no DTensor exists before its module is loaded
         saveable, shards = dtensor.split(saveable)  # the state itself where it holds none
     if own is not None and dtensor.holds_dtensors(own):
         raise ValueError("rank_state holds DTensors: pass sharded state (DTensors) in `state`; fastpersist "

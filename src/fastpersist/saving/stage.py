@@ -21,18 +21,22 @@ own side stream, without queueing behind training's newer work.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from fastpersist.errors import CheckpointError
 from fastpersist.format import manifest as mf
+from fastpersist.io.buffers import align_up
 from fastpersist.io.fills import Fill
+from fastpersist.objects import dtensor
 from fastpersist.objects.write import Prepared, prepare
 from fastpersist.saving.arena import Arena
 from fastpersist.saving.capture import Capture, copy_bytes, scan
 from fastpersist.saving.job import SaveJob
+from fastpersist.saving.ship import HoldsDTensors, NotPlain, Shipped, encode
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +50,8 @@ class Stager:
     live memory, through the fixed staging pool).
     """
 
-    def __init__(self, budget: int, rank: int) -> None:
-        self.arena = Arena(budget)
+    def __init__(self, budget: int, rank: int, shared: bool = False) -> None:
+        self.arena = Arena(budget, shared)
         self.rank = rank
 
     def stage(self, job: SaveJob, live: set[int], pipeline: str = "off") -> bool:
@@ -96,6 +100,47 @@ class Stager:
         job.metrics.bytes_copied = cap.copied
         return True
 
+    def pack(self, job: SaveJob, live: Mapping[int, tuple[Any, int]]) -> bytes | None:
+        """The process engine's staging: the job as the message for its save process
+        (:mod:`fastpersist.saving.ship`), pickled in one pass over the state that places every
+        storage: in its region of shared memory when it is in ``live`` (storage address -> the
+        region's name and base), else at the next offset of the shared arena, where it is then
+        copied. A state the save process might not rebuild is pickled here first, as the thread
+        engine pickles it (:meth:`_storages`), and only its skeleton and storages are shipped.
+        None when the copies would not fit the arena's budget."""
+        def shipped(with_state: bool) -> Shipped:
+            state, own = (job.state, job.rank_state) if with_state else (None, None)
+            return Shipped(job.step, state, own, job.shards, job.prepared, job.metadata, job.directory)
+
+        try:
+            try:
+                enc = encode(shipped(True), live, strict=True)
+            except HoldsDTensors:  # found by this pass: a state without them is walked once
+                job.state, job.shards = dtensor.split(job.state)
+                enc = encode(shipped(True), live, strict=True)
+        except NotPlain:
+            if not job.shards and dtensor.dtensor_type() is not None:  # maybe met before a DTensor
+                job.state, job.shards = dtensor.split(job.state)
+            job.prepared = self._prepare(job.state, job.rank_state)
+            enc = encode(shipped(False), live, strict=False)
+        if not self.arena.fits(enc.pos):
+            return None
+        arena = self.arena.take(enc.pos) if enc.pos else None
+        job.uses_arena = arena is not None
+        try:
+            cap = Capture(set(), arena)
+            for pos, storage in enc.pending:  # in the order the pass placed them: the same offsets
+                cap.storage(storage)
+                if cap.pos - align_up(storage.nbytes()) != pos:
+                    raise CheckpointError(f"internal: a storage placed at {pos} of the arena was copied elsewhere")
+            cap.finish()
+        except BaseException:
+            self.release(job)
+            raise
+        job.live = enc.live_used
+        job.metrics.bytes_copied = cap.copied
+        return enc.message  # type: ignore[attr-defined,no-any-return]
+
     def reserve(self, nbytes: int, then: Callable[[], None]) -> Future[int]:
         """Reserve ``nbytes`` of arena (none over the budget: such saves are written from live
         memory), then run ``then`` on the reservation's thread (:meth:`Arena.reserve`)."""
@@ -118,9 +163,14 @@ class Stager:
         shard_storages = scan(local)[1]
         if all(is_plain for is_plain, _ in scans):
             return [s for _, found in scans for s in found] + shard_storages, None
+        rep, own = self._prepare(state, rank_state)
+        return rep.storages + (own.storages if own else []) + shard_storages, (rep, own)
+
+    def _prepare(self, state: Any, rank_state: Any) -> tuple[Prepared, Prepared | None]:
+        """The state and rank state pickled now (their skeletons), their storages left to capture."""
         rep = prepare(mf.REPLICATED, state)
         own = prepare(mf.rank_object(self.rank), rank_state) if rank_state is not None else None
-        return rep.storages + (own.storages if own else []) + shard_storages, (rep, own)
+        return rep, own
 
     def copy(self, job: SaveJob) -> None:
         """Make a staged job's deferred copies (``save()``, once the job is queued: its writer

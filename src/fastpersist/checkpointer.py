@@ -39,7 +39,7 @@ from fastpersist.dist import Comm, LocalComm, default_comm, host_name
 from fastpersist.errors import CheckpointerClosedError, CheckpointWriteError
 from fastpersist.loading.view import CheckpointInfo, CheckpointView, Roots, list_checkpoints, load_checkpoint, root_list
 from fastpersist.options import Durable, Nodes, Options, Retention, Shorthands, from_shorthands
-from fastpersist.saving.arguments import check_arguments, check_engine, check_metadata, check_step, positive_int
+from fastpersist.saving.arguments import check_arguments, check_metadata, check_step, choose_engine, positive_int
 from fastpersist.saving.coordinator import Coordinator
 from fastpersist.saving.extension import Extension
 from fastpersist.saving.extensions.incremental import IncrementalSaves, block_size
@@ -49,7 +49,7 @@ from fastpersist.saving.handle import SaveHandle
 from fastpersist.saving.job import SaveJob
 from fastpersist.saving.protocol import SaveProtocol, close_all
 from fastpersist.saving.rank_writer import RankWriter
-from fastpersist.saving.remote import SaveProcess, process_spec
+from fastpersist.saving.remote import SaveProcess, crosses, process_spec
 from fastpersist.saving.saver import Saver
 from fastpersist.storage.backend import FileBackend
 from fastpersist.storage.roots import check_roots
@@ -115,13 +115,14 @@ class Checkpointer(ReadMethods):
         timeout_s: how long a rank waits for the others in a collective.
         clean_start: remove incomplete checkpoints left by a crashed run at the first save.
         history: how many recent saves' metrics :attr:`history` keeps.
-        engine: ``"thread"`` (default: the save runs in threads of the training process) or
+        engine: ``"thread"`` (the save runs in threads of the training process) or
             ``"process"``: a save process per rank, started here, does everything but the
             capture, so its Python never holds training's GIL (docs/DESIGN.md, "The save
             process"); ``save()`` copies what is not in shared memory into a shared arena and
             hands over a small message (overlap mode: the protected optimizers' tensors are
             moved into shared memory once). It takes no ``backend``, and a state must fit
-            ``snapshot_bytes``.
+            ``snapshot_bytes``. Default: the ``FASTPERSIST_ENGINE`` environment variable
+            (``thread`` when unset, and whenever a ``backend`` is given).
         **shorthands: the options' fields by their keyword names: ``keep``, ``keep_every``,
             ``abandoned`` (retention), ``durable_every``, ``durable_keep``,
             ``durable_bandwidth`` (durable), ``node``, ``redundancy`` (nodes).
@@ -159,14 +160,17 @@ class Checkpointer(ReadMethods):
         timeout_s: float = 600.0,
         clean_start: bool = True,
         history: int = 1000,
-        engine: str = "thread",
+        engine: str | None = None,
         **shorthands: Unpack[Shorthands],
     ) -> None:
+        explicit = engine is not None
+        engine = choose_engine(engine, backend)
+        options = from_shorthands(retention, durable, nodes, dict(shorthands))
+        if engine == "process" and not explicit and not crosses(options.durable):
+            engine = "thread"  # chosen by the environment, and a durable store object here: it stays here
         if snapshot_bytes is None:  # the process engine writes only from shared memory: no budget unless asked
             snapshot_bytes = DEFAULT_SNAPSHOT_BYTES if engine == "thread" else sys.maxsize
         check_arguments(mode, max_in_flight, snapshot_bytes, history, timeout_s)
-        check_engine(engine, mode, backend)
-        options = from_shorthands(retention, durable, nodes, dict(shorthands))
         block = block_size(incremental)
         paths = root_list(roots)
         self.comm = _comm(comm, timeout_s)
@@ -175,7 +179,7 @@ class Checkpointer(ReadMethods):
         close_comm = getattr(self.comm, "close", None) if comm is None else None
         self._close_comm = weakref.finalize(self, close_comm) if close_comm is not None else None
         self.backend = backend or FileBackend()
-        self.roots, hosts, self.nodes, store = _roots_everywhere(self.comm, paths, options, self.backend)
+        self.roots, hosts, self.nodes, store = _roots_everywhere(self.comm, paths, options, self.backend, engine)
         self.writer_ranks = writer_ranks(writers, hosts if self.nodes.count == 1 else self.nodes.per_rank())
         self.redundancy = check_redundancy(options.nodes.redundancy, self.nodes, self.writer_ranks)
         if block is not None and self.nodes.count > 1:
@@ -398,9 +402,10 @@ class _RootsReport:
     node: str
     roots: list[str]
     redundancy: int | None
+    engine: str
 
 
-def _roots_everywhere(comm: Comm, paths: list[str], options: Options, backend: FileBackend
+def _roots_everywhere(comm: Comm, paths: list[str], options: Options, backend: FileBackend, engine: str = "thread"
                       ) -> tuple[list[str], list[str], NodeMap, Store | None]:
     """Check the roots, the node id and the durable location on every rank; if any rank finds
     them unusable, or the ranks were given different durable locations, or ranks of one node
@@ -420,7 +425,7 @@ def _roots_everywhere(comm: Comm, paths: list[str], options: Options, backend: F
     except (ValueError, TypeError, ImportError, CheckpointWriteError) as e:
         error = e
     outcomes: list[_RootsReport] = comm.all_gather(_RootsReport(
-        host, error is None, store.url if store is not None else None, me, roots, redundancy))
+        host, error is None, store.url if store is not None else None, me, roots, redundancy, engine))
     if error is not None:
         raise error
     bad = [r for r, o in enumerate(outcomes) if not o.ok]
@@ -431,6 +436,10 @@ def _roots_everywhere(comm: Comm, paths: list[str], options: Options, backend: F
     if len(urls) > 1 or (urls and any(o.durable is None for o in outcomes)):
         raise ValueError(f"durable: the ranks were given different durable locations ({urls}, or none on some); "
                          "every rank must pass the same one")
+    if len({o.engine for o in outcomes}) > 1:  # the save processes form a group: every rank has one, or none
+        raise ValueError(f"engine: the ranks run different engines ({[o.engine for o in outcomes]} by rank: a "
+                         "backend or a durable store object keeps a rank on the thread engine); every rank must run "
+                         "the same one")
     if len({o.redundancy for o in outcomes}) > 1:
         raise ValueError(f"redundancy: the ranks were given different values ({[o.redundancy for o in outcomes]} by "
                          "rank); every rank must pass the same one")

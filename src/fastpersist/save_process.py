@@ -88,8 +88,8 @@ def _checkpointer(spec: dict[str, Any], rank: int, world: int, group: tuple[str,
         store = dist.TCPStore(host, port, world, False, timeout)
         dist.init_process_group("gloo", store=dist.PrefixStore("fastpersist-save", store), rank=rank,
                                 world_size=world, timeout=timeout)
-        return Checkpointer(**spec, mode="sync", comm=None)
-    return Checkpointer(**spec, mode="sync", comm="local")
+        return Checkpointer(**spec, mode="sync", comm=None, engine="thread")
+    return Checkpointer(**spec, mode="sync", comm="local", engine="thread")  # here, the save runs in threads
 
 
 def _metrics(handle: Any) -> dict[str, Any]:

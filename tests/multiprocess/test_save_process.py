@@ -189,17 +189,35 @@ def test_sigterm_to_the_process_group_ends_both_and_leaves_only_committed_checkp
     assert all(c.committed or c.abandoned for c in ck.list() if c.step != latest + 1)
 
 
-def test_refusals_name_the_argument(tmp_path):
+def test_the_engine_from_the_environment_and_refusals_name_the_argument(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="engine must be one of"):
         fp.Checkpointer(str(tmp_path / "a"), engine="fork")
+    monkeypatch.setenv("FASTPERSIST_ENGINE", "fork")
+    with pytest.raises(ValueError, match="FASTPERSIST_ENGINE must be one of"):
+        fp.Checkpointer(str(tmp_path / "a"))
+    monkeypatch.setenv("FASTPERSIST_ENGINE", "process")
     from fastpersist.storage.backend import FileBackend
 
+    assert fp.Checkpointer(str(tmp_path / "a"), backend=FileBackend()).engine == "thread"  # the backend is here
+    chosen = fp.Checkpointer(str(tmp_path / "a"))
+    assert chosen.engine == "process" and chosen._remote is not None
+    chosen.close()
+    monkeypatch.delenv("FASTPERSIST_ENGINE")
+    assert fp.Checkpointer(str(tmp_path / "a")).engine == "thread"
     with pytest.raises(ValueError, match="backend"):
         fp.Checkpointer(str(tmp_path / "a"), engine="process", backend=FileBackend())
     ck = fp.Checkpointer(str(tmp_path / "a"), engine="process", snapshot_bytes=1 << 20)
     with pytest.raises(CheckpointWriteError, match="snapshot_bytes"):
         ck.save(1, {"w": torch.ones(1 << 20)})
     ck.save(2, {"w": torch.ones(1000)}).result()  # the Checkpointer goes on
+    ck.close()
+
+
+def test_the_save_process_runs_at_the_niceness_asked(tmp_path):
+    ck = fp.Checkpointer(str(tmp_path / "n"), engine="process", config=fp.IOConfig(save_process_nice=7))
+    ck.save(1, {"w": torch.ones(10)}).result()
+    with open(f"/proc/{ck._remote.pid}/stat") as f:
+        assert int(f.read().rsplit(") ", 1)[1].split()[16]) == 7  # field 19: nice
     ck.close()
 
 
@@ -245,6 +263,22 @@ def test_two_ranks_save_through_their_save_processes(tmp_path):
                        results[0]["expected"])
     for r in range(2):
         assert torch.equal(ck.load_rank_state(1, rank=r)["rank"], torch.full((100 + r,), float(r)))
+
+
+def _mixed_engines(rank: int, world: int, root: str) -> str:
+    from fastpersist.storage.backend import FileBackend
+
+    os.environ["FASTPERSIST_ENGINE"] = "process"  # rank 1's backend keeps it on the thread engine
+    try:
+        fp.Checkpointer(root, backend=FileBackend() if rank == 1 else None)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_ranks_on_different_engines_are_refused_on_every_rank(tmp_path):
+    messages = run_ranks(tmp_path, 2, _mixed_engines, str(tmp_path / "ck"))
+    assert all("engine: the ranks run different engines (['process', 'thread'] by rank" in m for m in messages), messages
 
 
 def _fsdp_ranks(rank: int, world: int, root: str) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,19 @@ def check_arguments(mode: str, max_in_flight: int, snapshot_bytes: int, history:
 ENGINES = ("thread", "process")
 
 
-def check_engine(engine: str, mode: str, backend: object) -> None:
+def choose_engine(engine: str | None, backend: object) -> str:
+    """The engine: ``engine``, checked; else ``FASTPERSIST_ENGINE`` (default ``thread``), where a
+    ``backend`` given keeps the thread engine (the backend runs in this process)."""
+    if engine is not None:
+        check_engine(engine, backend)
+        return engine
+    chosen = os.environ.get("FASTPERSIST_ENGINE", "thread")
+    if chosen not in ENGINES:
+        raise ValueError(f"FASTPERSIST_ENGINE must be one of {ENGINES}, got {chosen!r}")
+    return "thread" if backend is not None else chosen
+
+
+def check_engine(engine: str, backend: object) -> None:
     """The process engine's limits, refused by name (docs/DESIGN.md, "The save process")."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")

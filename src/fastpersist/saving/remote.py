@@ -127,7 +127,7 @@ class SaveProcess:
                 here = None
             group = comm.all_gather(here, channel="control")[0]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "FASTPERSIST_ENGINE"}  # it saves in threads itself
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         try:
@@ -345,6 +345,15 @@ def process_spec(**arguments: Any) -> dict[str, Any]:
             raise ValueError(f"engine='process': the save process cannot be given {name}={value!r} "
                              f"({type(e).__name__}: {e}); pass it by value (a durable tier by its location)") from e
     return arguments
+
+
+def crosses(value: Any) -> bool:
+    """Whether ``value`` can be handed to the save process (it pickles)."""
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - anything that does not pickle stays here
+        return False
+    return True
 
 
 def _relay(future: Future[bool]) -> Any:

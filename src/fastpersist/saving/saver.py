@@ -68,10 +68,12 @@ class Saver:
             self.history.append(completion.handle.metrics)
             self.driver.raise_failed()
             return completion.handle
+        # the process engine's overlap mode moves the protected tensors into shared memory
+        # before state_dict() takes views of them (a view taken before would miss the move)
+        live = self.sharing.share(self.guard.protected) if self.shipped and self.mode == "overlap" else {}
         job = new_job(step, state, rank_state, metadata, completion, t0, split=not self.shipped)
         job.directory = directory
         if self.shipped:  # packed whole, at once, and sent: the save process holds it before save() returns
-            live = self.sharing.share(self.guard.protected) if self.mode == "overlap" else {}
             message = self.stager.pack(job, live)
             if message is None:
                 completion.finish(CheckpointWriteError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +48,12 @@ class Shipped:
 
 
 class _Memory(threading.local):
-    """The shared memory the message being decoded names (set by :func:`decode`, per thread)."""
+    """The shared memory the message being decoded names (set by :func:`decode`, per thread),
+    and the storages rebuilt so far: one storage per range, so tensors that shared a storage in
+    the training process share one here (the checkpoint keeps them aliased)."""
 
     storages: Mapping[Any, torch.UntypedStorage] = {}
+    made: dict[tuple[Any, ...], torch.UntypedStorage] = {}
 
 
 _decoding = _Memory()
@@ -60,6 +64,9 @@ def _storage(ref: tuple[Any, ...]) -> torch.UntypedStorage:
     range of the shared memory ``name``."""
     if ref[0] == "e":
         return torch.UntypedStorage(0)
+    made = _decoding.made.get(ref)
+    if made is not None:
+        return made
     name, offset, n = ref
     storage = _decoding.storages.get(name)
     if storage is None:
@@ -67,7 +74,8 @@ def _storage(ref: tuple[Any, ...]) -> torch.UntypedStorage:
     if offset + n > storage.nbytes():
         raise CheckpointError(f"a shipped save names bytes {offset}-{offset + n} past shared memory {name!r}'s "
                               f"{storage.nbytes()}")
-    return storage[offset : offset + n]
+    made = _decoding.made[ref] = storage[offset : offset + n]
+    return made
 
 
 def _tensor(ref: tuple[Any, ...], offset: int, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
@@ -93,7 +101,7 @@ class HoldsDTensors(Exception):
 
 
 # types the save process rebuilds from their module (torch's, the standard library's, fastpersist's)
-_IMPORTABLE_ROOTS = ("torch", "collections", "fastpersist", "builtins", "numpy", "enum")
+_IMPORTABLE_ROOTS = ("torch", "collections", "fastpersist", "builtins", "numpy", "enum", "copyreg")
 
 
 class Encoder(pickle.Pickler):
@@ -151,8 +159,10 @@ class Encoder(pickle.Pickler):
                 if is_dtensor(obj):
                     raise HoldsDTensors()
                 raise NotPlain(f"a {t.__qualname__} (a tensor subclass)")
-            if t.__module__.partition(".")[0] not in _IMPORTABLE_ROOTS:
-                raise NotPlain(f"a {t.__module__}.{t.__qualname__}")
+            named = isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType))  # pickled by name
+            owner = (getattr(obj, "__module__", None) or "") if named else t.__module__
+            if owner.partition(".")[0] not in _IMPORTABLE_ROOTS or "<locals>" in getattr(obj, "__qualname__", ""):
+                raise NotPlain(f"a {owner}.{getattr(obj, '__qualname__', t.__qualname__)}")
         return NotImplemented
 
 
@@ -168,13 +178,14 @@ def encode(shipped: Shipped, live: Mapping[int, tuple[Any, int]], strict: bool) 
 def decode(message: bytes, memory: Mapping[Any, torch.Tensor]) -> Shipped:
     """The save :func:`encode` shipped, its tensors views of this process's mappings of ``memory``."""
     _decoding.storages = {name: t.untyped_storage() for name, t in memory.items()}
+    _decoding.made = {}
     try:
         shipped = pickle.loads(message)
     except (AttributeError, ImportError) as e:  # a type the state held that this process cannot import
         raise CheckpointError(f"the save process cannot rebuild the captured state: {e}; a state's values must be "
                               "importable by module name (not defined in __main__) with engine='process'") from e
     finally:
-        _decoding.storages = {}
+        _decoding.storages, _decoding.made = {}, {}
     if not isinstance(shipped, Shipped):
         raise CheckpointError(f"internal: a shipped save is a {type(shipped).__name__}")
     return shipped

@@ -21,6 +21,7 @@ own side stream, without queueing behind training's newer work.
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -118,7 +119,7 @@ class Stager:
             except HoldsDTensors:  # found by this pass: a state without them is walked once
                 job.state, job.shards = dtensor.split(job.state)
                 enc = encode(shipped(True), live, strict=True)
-        except NotPlain:
+        except (NotPlain, pickle.PicklingError, AttributeError, TypeError):  # pickled as the thread engine
             if not job.shards and dtensor.dtensor_type() is not None:  # maybe met before a DTensor
                 job.state, job.shards = dtensor.split(job.state)
             job.prepared = self._prepare(job.state, job.rank_state)

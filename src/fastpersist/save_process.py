@@ -45,15 +45,23 @@ class _Loop:
             raise _Terminated()
 
     def next(self) -> Any:
+        """The next message; None at the end (the training process closed its end or is gone, or SIGTERM)."""
         self.idle = True
         try:
             if self.stopping:
                 return None
             return self.channel.recv()
-        except _Terminated:
+        except (_Terminated, OSError, EOFError):
             return None
         finally:
             self.idle = False
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        """Send to the training process; if it is gone, there is nobody to tell."""
+        try:
+            self.channel.send(message)
+        except OSError:
+            pass
 
 
 def _watch_parent(parent: int, sock: socket.socket) -> None:
@@ -98,17 +106,14 @@ def _metrics(handle: Any) -> dict[str, Any]:
                                                  "write_s", "replica_check_s", "probe_s", "templated")}
 
 
-def _save(ck: Any, channel: Any, number: int, message: bytes, memory: dict[Any, Any]) -> None:
+def _save(ck: Any, loop: _Loop, number: int, message: bytes, memory: dict[Any, Any]) -> None:
     from fastpersist.saving.ship import decode
 
     t0 = time.perf_counter()
     handle, error = None, None
 
     def staged() -> None:  # the training process's guarded optimizer steps may go on
-        try:
-            channel.send(("staged", number))
-        except OSError:
-            pass
+        loop.send(("staged", number))
 
     try:
         shipped = decode(message, memory)
@@ -116,15 +121,12 @@ def _save(ck: Any, channel: Any, number: int, message: bytes, memory: dict[Any, 
         handle = ck._saver.save_captured(shipped, t0, staged)
     except BaseException as e:  # noqa: BLE001 - sent back to the training process
         error = e
-    channel.send(("done", number, _metrics(handle) if handle is not None else {}, handle is not None and error is None,
-                  _sendable(error)))
+    loop.send(("done", number, _metrics(handle) if handle is not None else {}, handle is not None and error is None,
+               _sendable(error)))
     if handle is not None and error is None:
         def drained(future: Any) -> None:
             failure = future.exception()
-            try:
-                channel.send(("drained", number, None if failure else future.result(), _sendable(failure)))
-            except OSError:
-                pass  # the training process is gone
+            loop.send(("drained", number, None if failure else future.result(), _sendable(failure)))
 
         handle.durable.add_done_callback(drained)
 
@@ -151,9 +153,9 @@ def main(argv: list[str]) -> int:
     try:
         ck = _checkpointer(spec, rank, world, group)
     except BaseException as e:  # noqa: BLE001 - sent back: the training process raises it at its first save
-        channel.send(("failed", _sendable(e)))
+        loop.send(("failed", _sendable(e)))
         return 1
-    channel.send(("ready",))
+    loop.send(("ready",))
     from fastpersist.io.buffers import map_shared
 
     memory: dict[Any, Any] = {}
@@ -169,10 +171,10 @@ def main(argv: list[str]) -> int:
         elif kind == "unmap":  # unmapped once the saves that read it are done (their tensors hold it)
             memory.pop(message[1], None)
         elif kind == "save":
-            _save(ck, channel, message[1], message[2], memory)
+            _save(ck, loop, message[1], message[2], memory)
         elif kind == "settle":
             ck._settle()
-            channel.send(("settled", message[1]))
+            loop.send(("settled", message[1]))
         elif kind == "close":
             break
     error = None
@@ -180,10 +182,7 @@ def main(argv: list[str]) -> int:
         ck.close()
     except BaseException as e:  # noqa: BLE001 - sent back
         error = e
-    try:
-        channel.send(("closed", _sendable(error)))
-    except OSError:
-        pass  # the training process is gone
+    loop.send(("closed", _sendable(error)))
     return 0
 
 

@@ -122,6 +122,35 @@ def test_overlap_moves_the_optimizers_tensors_into_shared_memory_once(tmp_path):
     ck.close()
 
 
+def test_a_reply_that_comes_before_the_save_thread_asks_for_it_is_kept(tmp_path):
+    """The save process may commit a save before training's save thread comes to wait for it
+    (the thread is busy: here, in an earlier save's done-callback); the reply waits for it."""
+    import threading
+
+    ck = fp.Checkpointer(str(tmp_path / "ck"), engine="process", max_in_flight=2)
+    gate, held = threading.Event(), threading.Event()
+
+    def hold(_):
+        if threading.current_thread() is not threading.main_thread():
+            held.set()
+            gate.wait(60)
+
+    for step in range(1, 20):  # until the callback ran in the save thread (not inline: already done)
+        first = ck.save(step * 2, {"w": torch.full((1 << 20,), float(step))})
+        first.add_done_callback(hold)
+        if held.wait(30):
+            break
+    second = ck.save(step * 2 + 1, {"w": torch.ones(8)})
+    manifest = tmp_path / "ck" / f"step-{step * 2 + 1:08d}" / "manifest.json"
+    deadline = time.monotonic() + 60
+    while not manifest.exists() and time.monotonic() < deadline:  # committed while the thread was held
+        time.sleep(0.05)
+    assert manifest.exists()
+    gate.set()
+    assert second.result(60).bytes_written > 0
+    ck.close()
+
+
 def test_the_save_process_killed_fails_saves_by_name_and_commits_nothing_partial(tmp_path):
     """SIGKILL of the save process: the save in flight and every later call raise an error
     naming it (its pid and the signal), within seconds; the last committed checkpoint stays

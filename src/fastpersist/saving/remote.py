@@ -146,6 +146,7 @@ class SaveProcess:
         self._closed: Future[None] = Future()
         self._settling: dict[int, Future[None]] = {}
         self._staging: dict[int, Completion] = {}
+        self._futures: dict[int, tuple[Future[dict[str, Any]], Future[bool]]] = {}  # by save, until run() takes them
         self._number = 0  # saves shipped
         self._token = 0
         self._mapped: Any = None  # the SharedMemory the save process maps now
@@ -175,8 +176,10 @@ class SaveProcess:
         with self._lock:
             self._number += 1
             job.shipped = number = self._number
-            self._waiting[number] = Future()
-            self._draining[number] = Future()
+            done: Future[dict[str, Any]] = Future()
+            drained: Future[bool] = Future()
+            self._waiting[number], self._draining[number] = done, drained
+            self._futures[number] = (done, drained)  # run()'s, whenever it comes (the replies may come first)
             self._staging[number] = job.completion
         self._send(("save", number, message))
 
@@ -185,9 +188,10 @@ class SaveProcess:
         and drain are relayed to the job's handle, its failure raised."""
         number = job.shipped
         with self._lock:
-            done, drained = self._waiting.get(number), self._draining.get(number)
-        if done is None or drained is None:  # failed before this worker came to it
-            raise CheckpointWriteError(self.broken or f"internal: checkpoint step {job.step} was never shipped")
+            futures = self._futures.pop(number, None)
+        if futures is None:
+            raise CheckpointWriteError(f"internal: checkpoint step {job.step} was never shipped")
+        done, drained = futures
         try:
             result = self._wait(done, f"checkpoint step {job.step}")
         finally:
@@ -248,7 +252,7 @@ class SaveProcess:
         elif kind == "done":
             _, number, metrics, draining, error = message
             with self._lock:
-                future = self._waiting.pop(number, None)
+                future = self._waiting.pop(number, None)  # run() holds it too (its _futures entry)
             if future is not None:
                 future.set_result({"metrics": metrics, "draining": draining, "error": _error(error, "the save")})
         elif kind == "drained":

@@ -115,14 +115,9 @@ class Checkpointer(ReadMethods):
         timeout_s: how long a rank waits for the others in a collective.
         clean_start: remove incomplete checkpoints left by a crashed run at the first save.
         history: how many recent saves' metrics :attr:`history` keeps.
-        engine: ``"thread"`` (the save runs in threads of the training process) or
-            ``"process"``: a save process per rank, started here, does everything but the
-            capture, so its Python never holds training's GIL (docs/DESIGN.md, "The save
-            process"); ``save()`` copies what is not in shared memory into a shared arena and
-            hands over a small message (overlap mode: the protected optimizers' tensors are
-            moved into shared memory once). It takes no ``backend``, and a state must fit
-            ``snapshot_bytes``. Default: the ``FASTPERSIST_ENGINE`` environment variable
-            (``thread`` when unset, and whenever a ``backend`` is given).
+        engine: ``"thread"`` (threads of this process) or ``"process"`` (a save process per
+            rank does everything but the capture; docs/DESIGN.md, "The save process"); default:
+            ``FASTPERSIST_ENGINE``, else ``"thread"``.
         **shorthands: the options' fields by their keyword names: ``keep``, ``keep_every``,
             ``abandoned`` (retention), ``durable_every``, ``durable_keep``,
             ``durable_bandwidth`` (durable), ``node``, ``redundancy`` (nodes).
@@ -163,13 +158,8 @@ class Checkpointer(ReadMethods):
         engine: str | None = None,
         **shorthands: Unpack[Shorthands],
     ) -> None:
-        explicit = engine is not None
-        engine = choose_engine(engine, backend)
         options = from_shorthands(retention, durable, nodes, dict(shorthands))
-        if engine == "process" and not explicit and not crosses(options.durable):
-            engine = "thread"  # chosen by the environment, and a durable store object here: it stays here
-        if snapshot_bytes is None:  # the process engine writes only from shared memory: no budget unless asked
-            snapshot_bytes = DEFAULT_SNAPSHOT_BYTES if engine == "thread" else sys.maxsize
+        engine, snapshot_bytes = _engine_and_budget(engine, backend, options, snapshot_bytes)
         check_arguments(mode, max_in_flight, snapshot_bytes, history, timeout_s)
         block = block_size(incremental)
         paths = root_list(roots)
@@ -207,6 +197,7 @@ class Checkpointer(ReadMethods):
             self._saver.ship = self._remote.ship
         else:
             self._protocol = self._save_protocol(clean_start, self._extensions(block, store, timeout_s))
+        self._engine: SaveProtocol | SaveProcess = self._remote or self._protocol  # type: ignore[assignment]
         self._view = CheckpointView(self.roots, config=config, backend=self.backend)
         durable_reads = durable_view(store, config, self.roots[0], self.backend) if store is not None else None
         self._tiers = Tiers(self._view, durable_reads, self.comm, self.nodes, self._current_config)
@@ -340,33 +331,21 @@ class Checkpointer(ReadMethods):
         t0 = time.perf_counter()
         if self._closed:
             raise CheckpointerClosedError(f"save(step={step!r}) after close(): this Checkpointer takes no more saves")
-        broken = self._remote.broken if self._remote is not None else self._protocol.broken  # type: ignore[union-attr]
-        if broken is not None:
-            raise CheckpointWriteError(broken)
+        if self._engine.broken is not None:
+            raise CheckpointWriteError(self._engine.broken)
         check_step(step)
         meta = check_metadata(metadata)
         target = None if directory is None else self._publish.target(directory)
         return self._saver.save(step, state, rank_state, meta, target, t0)
 
-    def _run(self, job: SaveJob) -> None:
-        """The save protocol for one job (in the driver's worker), or the job shipped to the save process."""
-        if self._remote is not None:
-            self._remote.run(job)
-        else:
-            self._protocol.run(job)  # type: ignore[union-attr]
-
-    def _settle(self) -> None:
-        """Wait for the deletions retention started."""
-        if self._remote is not None:
-            self._remote.settle()
-        else:
-            self._protocol.coordinator.janitor.drain()  # type: ignore[union-attr]
+    def _run(self, job: SaveJob) -> None:  # in the driver's worker: the protocol, or the save process
+        self._engine.run(job)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every checkpoint in flight (and the deletions retention started); raises
         the first failure not yet raised."""
         self._saver.wait(timeout)
-        self._settle()
+        self._engine.settle()
         self._saver.driver.raise_failed()
 
     def close(self) -> None:
@@ -376,8 +355,7 @@ class Checkpointer(ReadMethods):
         try:
             self.wait()
         finally:
-            close_all(self._saver.close, self._remote.close if self._remote is not None else self._protocol.close,  # type: ignore[union-attr]
-                      self._close_comm)
+            close_all(self._saver.close, self._engine.close, self._close_comm)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -388,7 +366,7 @@ class Checkpointer(ReadMethods):
     def list(self) -> builtins.list[CheckpointInfo]:
         """Every checkpoint in the first root (on several nodes: this node's), committed or
         not, by step (after the deletions retention has started)."""
-        self._settle()
+        self._engine.settle()
         return self._view.list()
 
 
@@ -454,6 +432,20 @@ def _roots_everywhere(comm: Comm, paths: list[str], options: Options, backend: F
         raise TypeError(f"comm: a job on several nodes ({', '.join(nodes.ids)}) needs a comm with broadcast() and "
                         f"exchange() (as fastpersist.dist.GlooComm has), got a {type(comm).__name__}")
     return roots, [o.host for o in outcomes], nodes, store
+
+
+def _engine_and_budget(engine: str | None, backend: FileBackend | None, options: Options,
+                       snapshot_bytes: int | None) -> tuple[str, int]:
+    """The engine (an environment-chosen process engine stays on threads for a durable store
+    object of this process) and the arena's budget (none by default for the process engine: it
+    writes only from shared memory)."""
+    explicit = engine is not None
+    engine = choose_engine(engine, backend)
+    if engine == "process" and not explicit and not crosses(options.durable):
+        engine = "thread"
+    if snapshot_bytes is None:
+        snapshot_bytes = DEFAULT_SNAPSHOT_BYTES if engine == "thread" else sys.maxsize
+    return engine, snapshot_bytes
 
 
 def _comm(comm: Comm | str | None, timeout_s: float) -> Comm:

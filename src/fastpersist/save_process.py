@@ -173,7 +173,7 @@ def main(argv: list[str]) -> int:
         elif kind == "save":
             _save(ck, loop, message[1], message[2], memory)
         elif kind == "settle":
-            ck._settle()
+            ck._engine.settle()
             loop.send(("settled", message[1]))
         elif kind == "close":
             break

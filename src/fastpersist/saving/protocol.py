@@ -116,6 +116,10 @@ class SaveProtocol:
         if self.rank == 0:
             self.coordinator.retain(self.protected())
 
+    def settle(self) -> None:
+        """Wait for the deletions retention started."""
+        self.coordinator.janitor.drain()
+
     def close(self) -> None:
         """Finish the extensions' background work (the drains in flight), then release the
         roots (every closer runs, the first failure is raised)."""

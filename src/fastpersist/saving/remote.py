@@ -343,11 +343,9 @@ def process_spec(**arguments: Any) -> dict[str, Any]:
     """The Checkpointer's arguments the save process builds its own from, checked to cross
     the process boundary (a durable store object must pickle)."""
     for name, value in arguments.items():
-        try:
-            pickle.dumps(value)
-        except Exception as e:  # noqa: BLE001 - refused by name
-            raise ValueError(f"engine='process': the save process cannot be given {name}={value!r} "
-                             f"({type(e).__name__}: {e}); pass it by value (a durable tier by its location)") from e
+        if not crosses(value):
+            raise ValueError(f"engine='process': the save process cannot be given {name}={value!r} (it does not "
+                             "pickle); pass it by value (a durable tier by its location)")
     return arguments
 
 
